@@ -1,0 +1,92 @@
+"""Arguments we add to SGLang: ``impl`` (an alias of ``model_impl``).
+
+``sgl.Engine(impl="transformers")`` and ``launch_server --impl transformers`` are the
+spellings the transformers-backend pull requests used; SGLang itself calls the field
+``model_impl``. Both work; giving both with different values is an error. When the
+arguments ask for the transformers implementation, the checkpoint is checked for
+compatibility here, in the launching process, before any subprocess starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from typing import Any
+
+MODEL_IMPLS = ("auto", "sglang", "transformers", "mindspore")
+
+
+class ArgumentConflictError(ValueError):
+    """Two spellings of one setting were given with different values."""
+
+
+def resolve_model_impl(impl: str | None, model_impl: str | None) -> str:
+    """The implementation asked for by either spelling (``auto`` when neither is given)."""
+    for name, value in (("impl", impl), ("model_impl", model_impl)):
+        if value is not None and value not in MODEL_IMPLS:
+            raise ValueError(f"{name}={value!r} is not one of {MODEL_IMPLS}.")
+    if impl is not None and model_impl is not None and impl != model_impl:
+        raise ArgumentConflictError(
+            f"impl={impl!r} and model_impl={model_impl!r} disagree. impl is an alias of "
+            "model_impl (--impl / --model-impl); give one of them, or the same value to both."
+        )
+    return impl or model_impl or "auto"
+
+
+def check_if_transformers(model_impl: str, model_path: str | None, trust_remote_code: bool, revision=None) -> None:
+    """Run the compatibility gate early when the transformers implementation is explicit."""
+    if model_impl == "transformers" and model_path:
+        from sglang_hf_backend import compat
+
+        compat.check_checkpoint(model_path, trust_remote_code, revision)
+
+
+def build_engine_server_args(server_args_class, **kwargs: Any):
+    """What ``sgl.Engine`` uses to build its ServerArgs: our keywords translated first."""
+    model_impl = resolve_model_impl(kwargs.pop("impl", None), kwargs.pop("model_impl", None))
+    check_if_transformers(
+        model_impl, kwargs.get("model_path"), kwargs.get("trust_remote_code", False), kwargs.get("revision")
+    )
+    return server_args_class(model_impl=model_impl, **kwargs)
+
+
+def add_cli_args(_result, parser: argparse.ArgumentParser) -> None:
+    """AFTER-hook of ``ServerArgs.add_cli_args``."""
+    parser.add_argument(
+        "--impl",
+        choices=MODEL_IMPLS,
+        default=None,
+        help="Alias of --model-impl (e.g. --impl transformers).",
+    )
+    # None marks "not given", so an explicit --model-impl can be told from the default.
+    parser.set_defaults(model_impl=None)
+
+
+def from_cli_args(cls, args: argparse.Namespace) -> None:
+    """BEFORE-hook of ``ServerArgs.from_cli_args``: fold --impl into --model-impl."""
+    args.model_impl = resolve_model_impl(getattr(args, "impl", None), getattr(args, "model_impl", None))
+    if hasattr(args, "impl"):
+        del args.impl
+    check_if_transformers(
+        args.model_impl, getattr(args, "model_path", None), getattr(args, "trust_remote_code", False), getattr(args, "revision", None)
+    )
+
+
+def install() -> None:
+    """Hook the two ways SGLang builds ServerArgs: Engine keywords and the CLI parser."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sglang_hf_backend.plugin import when_imported
+
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", add_cli_args, HookType.AFTER)
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.from_cli_args", from_cli_args, HookType.BEFORE)
+    when_imported("sglang.srt.entrypoints.engine", _patch_engine)
+
+
+def _patch_engine(engine_module) -> None:
+    engine_cls = engine_module.Engine
+    if getattr(engine_cls.server_args_class, "func", None) is build_engine_server_args:
+        return
+    engine_cls.server_args_class = staticmethod(
+        functools.partial(build_engine_server_args, engine_cls.server_args_class)
+    )

@@ -1,0 +1,72 @@
+"""Can this checkpoint be served by sglang_hf_backend? Answered before any weight is read.
+
+Runs twice: in the launching process as soon as the arguments ask for the transformers
+implementation (so a user gets the error before subprocesses start), and again in each
+scheduler process when the model class is built (the authoritative check).
+"""
+
+from __future__ import annotations
+
+import transformers
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+
+class IncompatibleModelError(ValueError):
+    """The checkpoint names a model that this backend cannot serve exactly."""
+
+
+def resolve_hf_class(config: PretrainedConfig, trust_remote_code: bool) -> type[PreTrainedModel]:
+    """The transformers class that serves ``config`` as a causal LM.
+
+    In order: the architecture named in config.json if transformers has it, the
+    checkpoint's own code (``auto_map``, needs ``trust_remote_code``), then the causal-LM
+    class transformers maps this config type to.
+    """
+    architecture = (getattr(config, "architectures", None) or [None])[0]
+    builtin = getattr(transformers, architecture, None) if architecture else None
+    if isinstance(builtin, type) and issubclass(builtin, PreTrainedModel):
+        return builtin
+    auto_map = getattr(config, "auto_map", None) or {}
+    remote_ref = auto_map.get("AutoModelForCausalLM")
+    if remote_ref:
+        if not trust_remote_code:
+            raise IncompatibleModelError(
+                f"{architecture or 'This model'} is defined by code inside the checkpoint "
+                f"({remote_ref}); pass trust_remote_code=True (--trust-remote-code) to load it."
+            )
+        return get_class_from_dynamic_module(remote_ref, config._name_or_path)
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    raise IncompatibleModelError(
+        f"Unknown architecture {architecture!r} (model_type {getattr(config, 'model_type', None)!r}): "
+        f"transformers {transformers.__version__} has no class of that name, the checkpoint's "
+        "config.json has no auto_map.AutoModelForCausalLM entry for its own code, and no causal-LM "
+        "class is registered for its config type. Check the model path, upgrade transformers, or "
+        "add an auto_map entry pointing at the modeling file."
+    )
+
+
+def check_attention_interface(model_class: type[PreTrainedModel]) -> None:
+    """Refuse classes whose attention bypasses transformers' attention interface."""
+    if getattr(model_class, "_supports_attention_backend", False):
+        return
+    raise IncompatibleModelError(
+        f"{model_class.__name__} cannot be served by sglang_hf_backend: its attention layers do not "
+        "call transformers' attention interface (_supports_attention_backend is False), so their "
+        "attention cannot be routed to SGLang's paged RadixAttention. Serve it with SGLang's native "
+        "implementation (model_impl='sglang') if SGLang has one, or use a model whose modeling code "
+        "calls ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...) and sets "
+        "_supports_attention_backend = True."
+    )
+
+
+def check_checkpoint(model_path: str, trust_remote_code: bool, revision: str | None = None) -> type:
+    """Both checks above, from a model path; returns the class that will serve it."""
+    config = AutoConfig.from_pretrained(
+        model_path, trust_remote_code=trust_remote_code, revision=revision
+    )
+    model_class = resolve_hf_class(config, trust_remote_code)
+    check_attention_interface(model_class)
+    return model_class

@@ -1,0 +1,179 @@
+"""A batched paged-attention backend for CPUs (``--attention-backend cpu_sdpa``).
+
+SGLang's ``torch_native`` backend loops over requests in every layer: one SDPA call and
+two cache gathers per request. Here, per forward batch, the positions of every request's
+cached tokens are laid out once as a padded ``[batch, max_len]`` index (plus masks);
+each layer then does one ``index_select`` of its K/V from the paged pool and one
+attention call over the whole batch, with grouped-query attention done without copying
+K/V per query head. Decode, prefill with radix-cache prefixes, chunked prefill and mixed
+batches all reduce to "new tokens at known positions attending to cached tokens".
+Sliding windows and logit soft-capping are applied the way HF's eager attention does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+import torch.nn.functional as F
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+from sglang_hf_backend.platform import CPU_ATTENTION_BACKEND
+
+logger = logging.getLogger(__name__)
+
+_SUPPORTED_MODES = {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.IDLE}
+
+
+@dataclasses.dataclass
+class BatchLayout:
+    """Where each request's tokens live, shared by all layers of one forward."""
+
+    kv_index: torch.Tensor  # [B, L] slot of each cached token in the pool (0 where padded)
+    kv_pos: torch.Tensor  # [L] key positions 0..L-1
+    kv_len: torch.Tensor  # [B] tokens cached per request, new ones included
+    q_pos: torch.Tensor  # [B, E] absolute position of each (padded) query
+    q_valid: torch.Tensor  # [B, E] False for padding
+    q_rows: torch.Tensor | None  # [T] row of each flat query in the padded [B*E] layout
+    masks: dict[tuple[bool, int], torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def mask(self, causal: bool, window: int) -> torch.Tensor:
+        """[B, 1, E, L] boolean "may attend" mask, built once per (causal, window)."""
+        key = (causal, window)
+        if key not in self.masks:
+            k = self.kv_pos[None, None, :]
+            q = self.q_pos[:, :, None]
+            allowed = k < self.kv_len[:, None, None]
+            if causal:
+                allowed = allowed & (k <= q)
+            if window >= 0:
+                allowed = allowed & (k >= q - window)
+            # Padded query rows attend to the first key only, so no row is empty (no NaN).
+            allowed = allowed | (~self.q_valid[:, :, None] & (k == 0))
+            self.masks[key] = allowed[:, None]
+        return self.masks[key]
+
+
+class CpuSdpaAttnBackend(AttentionBackend):
+    """Paged attention on CPU, one batched attention call per layer."""
+
+    def __init__(self, model_runner):
+        super().__init__()
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.forward_metadata: BatchLayout | None = None
+        if getattr(self.token_to_kv_pool, "swa_layer_nums", 0):
+            raise ValueError(
+                f"{CPU_ATTENTION_BACKEND} does not serve hybrid sliding-window KV pools; "
+                "use --attention-backend torch_native for this model."
+            )
+
+    # -- per-batch layout ---------------------------------------------------
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        mode = forward_batch.forward_mode
+        if mode not in _SUPPORTED_MODES:
+            raise ValueError(
+                f"{CPU_ATTENTION_BACKEND} cannot run forward mode {mode.name} (speculative "
+                "decoding and other special modes); use --attention-backend torch_native."
+            )
+        if mode == ForwardMode.IDLE:
+            self.forward_metadata = None
+            return
+        if forward_batch.encoder_lens is not None:
+            raise ValueError(
+                f"{CPU_ATTENTION_BACKEND} does not serve encoder-decoder models (cross "
+                "attention); use --attention-backend torch_native."
+            )
+        self.forward_metadata = self._layout(forward_batch)
+
+    def _layout(self, fb: ForwardBatch) -> BatchLayout:
+        kv_len = fb.seq_lens.to(torch.long)
+        max_len = int(kv_len.max())
+        kv_pos = torch.arange(max_len)
+        rows = self.req_to_token[fb.req_pool_indices.to(torch.long), :max_len].to(torch.long)
+        kv_index = torch.where(kv_pos[None, :] < kv_len[:, None], rows, 0)
+        if fb.forward_mode.is_decode():
+            return BatchLayout(kv_index, kv_pos, kv_len, (kv_len - 1)[:, None],
+                               torch.ones_like(kv_len, dtype=torch.bool)[:, None], None)
+        new = fb.extend_seq_lens.to(torch.long)
+        prefix = fb.extend_prefix_lens.to(torch.long)
+        width = int(new.max())
+        offsets = torch.arange(width)
+        q_valid = offsets[None, :] < new[:, None]
+        q_rows = (torch.arange(len(new))[:, None] * width + offsets[None, :])[q_valid]
+        return BatchLayout(kv_index, kv_pos, kv_len, prefix[:, None] + offsets[None, :], q_valid, q_rows)
+
+    # -- attention ------------------------------------------------------------
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def _attend(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool):
+        if layer.is_cross_attention:
+            raise ValueError(f"{CPU_ATTENTION_BACKEND} does not serve cross attention.")
+        if save_kv_cache and k is not None:
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
+        layout = self.forward_metadata
+        batch, width = layout.q_pos.shape
+        heads, head_dim, v_dim = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
+        query = q.view(-1, heads, head_dim)
+        if layout.q_rows is not None:  # extend: scatter flat tokens into [B, E]
+            padded = query.new_zeros(batch * width, heads, head_dim)
+            query = padded.index_copy_(0, layout.q_rows, query)
+        query = query.view(batch, width, heads, head_dim).transpose(1, 2)
+        keys, values = self._gather(layer, layout, query.dtype)
+        causal = layer.attn_type != AttentionType.ENCODER_ONLY
+        mask = layout.mask(causal, layer.sliding_window_size)
+        if layer.logit_cap and layer.logit_cap > 0:
+            out = _softcapped_attention(query, keys, values, mask, layer.scaling, layer.logit_cap)
+        else:
+            out = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=mask, scale=layer.scaling,
+                enable_gqa=heads != keys.shape[1],
+            )
+        out = out.transpose(1, 2).reshape(batch * width, heads * v_dim)
+        if layout.q_rows is not None:
+            out = out.index_select(0, layout.q_rows)
+        return out
+
+    def _gather(self, layer, layout: BatchLayout, dtype: torch.dtype):
+        """This layer's K/V for every request: [B, kv_heads, L, dim], one gather each."""
+        flat = layout.kv_index.reshape(-1)
+        batch, length = layout.kv_index.shape
+        k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        keys = k_cache.index_select(0, flat).view(batch, length, *k_cache.shape[1:])
+        values = v_cache.index_select(0, flat).view(batch, length, *v_cache.shape[1:])
+        return keys.transpose(1, 2).to(dtype), values.transpose(1, 2).to(dtype)
+
+    def support_triton(self):
+        return False
+
+
+def _softcapped_attention(query, keys, values, mask, scaling: float, cap: float) -> torch.Tensor:
+    """Eager attention with ``cap * tanh(scores / cap)``, as HF applies soft-capping.
+
+    Query heads are grouped by the KV head they share, so K/V are never repeated.
+    """
+    batch, heads, width, dim = query.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    grouped = query.reshape(batch, kv_heads, group * width, dim)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)) * scaling
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.view(batch, kv_heads, group, width, length)
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(probs.view(batch, kv_heads, group * width, length), values)
+    return out.view(batch, heads, width, values.shape[-1])
+
+
+def register(registry_module) -> None:
+    """Add the backend to SGLang's attention-backend registry."""
+    registry_module.register_attention_backend(CPU_ATTENTION_BACKEND)(CpuSdpaAttnBackend)

@@ -1,0 +1,223 @@
+"""TransformersBase: an HF backbone rebuilt from SGLang parts, read top to bottom.
+
+Construction, in order:
+1. resolve the HF class for the checkpoint and refuse incompatible ones (compat.py);
+2. build the HF model on the meta device, attention routed to our function;
+3. trace the backbone once on meta tensors (surgery/trace.py);
+4. decide the tensor-parallel layout (surgery/tensor_parallel.py);
+5. swap linears and the token embedding for SGLang's parallel layers;
+6. give every attention module a RadixAttention with its per-layer settings;
+7. materialise the parameters HF keeps (norms) on the real device.
+Capability mixins (causal LM head, ...) add their parts on top.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterable, Iterator
+
+import torch
+from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.runtime_context import get_parallel, get_server_args
+from sglang.srt.utils import get_device
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+from sglang_hf_backend import compat
+from sglang_hf_backend.attention import (
+    ATTENTION_NAME,
+    attach_radix_attention,
+    check_kv_cache_layout,
+    layer_spec,
+)
+from sglang_hf_backend.surgery.linear import build_linear, is_linear
+from sglang_hf_backend.surgery.tensor_parallel import TPLayout, plan_tensor_parallel
+from sglang_hf_backend.surgery.trace import ModelTrace, trace_model
+from sglang_hf_backend.weights import CheckpointNames, Route, WeightLoader, check_all_loaded
+
+logger = logging.getLogger(__name__)
+
+
+class TransformersBase(nn.Module):
+    """Serves an HF backbone with SGLang's attention, parallel layers and KV cache."""
+
+    def __init__(self, config: PretrainedConfig, quant_config=None, prefix: str = "") -> None:
+        super().__init__()
+        self.config = config
+        self.text_config = config.get_text_config()
+        self.quant_config = quant_config
+        self.tp_size = get_parallel().tp_size
+        self.start_layer, self.end_layer = 0, self.text_config.num_hidden_layers
+
+        hf_class = compat.resolve_hf_class(config, get_server_args().trust_remote_code)
+        compat.check_attention_interface(hf_class)
+        self.hf_class_name = hf_class.__name__
+        hf_model = build_on_meta(hf_class, config)
+        self.backbone_name = hf_model.base_model_prefix
+        backbone = hf_model.base_model
+        self.model_trace: ModelTrace = trace_model(backbone)
+        if not self.model_trace.attention_calls:
+            raise compat.IncompatibleModelError(
+                f"{self.hf_class_name} never called the attention interface during a trial "
+                "forward, so its attention cannot be routed to SGLang; it is not compatible."
+            )
+        self.tp_layout: TPLayout = plan_tensor_parallel(backbone, self.model_trace, self.tp_size)
+        replace_linears(backbone, self.tp_layout, self.tp_size, quant_config)
+        replace_input_embedding(backbone)
+        self.attention_layers = attach_attention(self.model_trace, backbone, self.tp_size, quant_config)
+        check_kv_cache_layout(self.attention_layers, config)
+        materialise_meta_parameters(backbone)
+        setattr(self, self.backbone_name, backbone)
+        self.weight_routes: dict[str, Route] = {}
+        self.checkpoint_names = CheckpointNames.of(hf_model)
+        self.add_capabilities(hf_model)
+
+    def add_capabilities(self, hf_model: PreTrainedModel) -> None:
+        """Hook for capability mixins (LM head, ...), given the HF model built on meta."""
+
+    @property
+    def backbone(self) -> PreTrainedModel:
+        return getattr(self, self.backbone_name)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.backbone.get_input_embeddings()
+
+    def get_attention_sliding_window_size(self) -> int | None:
+        windows = {spec.sliding_window_size for spec in self.attention_layers if spec.sliding_window_size >= 0}
+        return max(windows) if windows else None
+
+    def backbone_forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        input_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states ``[tokens, hidden]`` for a flat batch of tokens."""
+        outputs = self.backbone(
+            input_ids=None if input_embeds is not None else input_ids[None],
+            inputs_embeds=None if input_embeds is None else input_embeds[None],
+            position_ids=positions[None],
+            use_cache=False,
+            return_dict=True,
+            forward_batch=forward_batch,
+        )
+        return outputs.last_hidden_state[0]
+
+    # -- weights ---------------------------------------------------------------
+    def tied_parameters(self) -> set[str]:
+        return set()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        tied = self.tied_parameters()
+        loader = WeightLoader(self, self.checkpoint_names, self.weight_routes, tied)
+        loaded = loader.load(weights)
+        check_all_loaded(loaded, self.expected_checkpoint_keys(), tied)
+        return loaded
+
+    def expected_checkpoint_keys(self) -> set[str]:
+        """Parameter names, with packed parameters expanded to one key per shard."""
+        packed = {route.param for route in self.weight_routes.values() if route.shard_id is not None}
+        keys = {name for name, _ in self.named_parameters() if name not in packed}
+        keys |= {
+            f"{route.param}:{route.shard_id}"
+            for route in self.weight_routes.values()
+            if route.shard_id is not None
+        }
+        return keys
+
+
+def build_on_meta(hf_class: type[PreTrainedModel], config: PretrainedConfig) -> PreTrainedModel:
+    """The HF model with parameters on meta (no memory) and buffers computed for real."""
+    with _parameters_on_meta():
+        return hf_class._from_config(
+            config, dtype=torch.get_default_dtype(), attn_implementation=ATTENTION_NAME
+        )
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Create parameters on meta while buffers (e.g. RoPE frequencies) stay real."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def replace_linears(backbone: nn.Module, layout: TPLayout, tp_size: int, quant_config) -> None:
+    for name, module in list(backbone.named_modules()):
+        if is_linear(module):
+            layer = build_linear(module, layout.placements[name], tp_size, quant_config, prefix=name)
+            _set_submodule(backbone, name, layer)
+
+
+def replace_input_embedding(backbone: PreTrainedModel) -> None:
+    """Vocab-parallel token embedding; keeps an HF ``embed_scale`` if the class has one."""
+    old = backbone.get_input_embeddings()
+    scale = getattr(old, "embed_scale", None)
+    if scale is None and type(old).forward is not nn.Embedding.forward:
+        raise compat.IncompatibleModelError(
+            f"{type(old).__name__} computes token embeddings in its own way; sglang_hf_backend "
+            "only replaces plain or constant-scaled embeddings with SGLang's vocab-parallel one."
+        )
+    new = ScaledVocabParallelEmbedding(
+        old.num_embeddings, old.embedding_dim, org_num_embeddings=old.num_embeddings
+    )
+    if scale is not None:
+        new.embed_scale = torch.as_tensor(scale, dtype=torch.float32).item()
+    backbone.set_input_embeddings(new)
+
+
+class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
+    """VocabParallelEmbedding times a constant, as Gemma3-style scaled embeddings do."""
+
+    embed_scale: float | None = None
+
+    def forward(self, input_):
+        out = super().forward(input_)
+        if self.embed_scale is None:
+            return out
+        # HF rounds the scale to the weight dtype before multiplying; so do we.
+        return out * torch.tensor(self.embed_scale, dtype=out.dtype)
+
+
+def attach_attention(trace: ModelTrace, backbone: nn.Module, tp_size: int, quant_config) -> list:
+    names = {module: name for name, module in backbone.named_modules()}
+    specs = []
+    for call in trace.attention_calls:
+        spec = layer_spec(call)
+        attach_radix_attention(call, spec, tp_size, quant_config, prefix=names[call.module])
+        specs.append(spec)
+    layer_ids = [s.layer_id for s in specs]
+    if sorted(layer_ids) != list(range(len(layer_ids))):
+        raise compat.IncompatibleModelError(
+            f"attention layers report layer_idx {layer_ids}; SGLang needs each layer to own "
+            "one distinct KV-cache slot 0..N-1"
+        )
+    return specs
+
+
+def materialise_meta_parameters(module: nn.Module) -> None:
+    """Parameters HF keeps (norms, biases) move from meta to the device, to be loaded."""
+    device = get_device()
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None and param.device.type == "meta":
+                sub._parameters[name] = nn.Parameter(
+                    torch.empty_like(param, device=device), requires_grad=False
+                )
+
+
+def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, child, module)

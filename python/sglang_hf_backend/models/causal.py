@@ -1,0 +1,127 @@
+"""Causal-LM capability: vocab-parallel LM head, logits processor, and a check of the HF head.
+
+HF causal-LM classes post-process logits in ``forward`` (Granite divides by
+``logits_scaling``, Gemma2 soft-caps, Cohere multiplies by ``logit_scale``). SGLang's
+``LogitsProcessor`` can scale and soft-cap; we measure what the HF head does by running
+its real ``forward`` on probe values (backbone and head stubbed out) and configure the
+processor to match. Anything else it does is refused rather than served differently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, PPProxyTensors
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
+
+from sglang_hf_backend.compat import IncompatibleModelError
+
+
+class CausalMixin:
+    """Adds the LM head under the HF class's own attribute name (``lm_head``, ...)."""
+
+    def add_capabilities(self, hf_model: PreTrainedModel) -> None:
+        super().add_capabilities(hf_model)
+        self.head_name = output_embedding_name(hf_model)
+        self.tie_word_embeddings = bool(getattr(self.text_config, "tie_word_embeddings", False))
+        embedding = self.get_input_embeddings()
+        if self.tie_word_embeddings:
+            head = embedding  # one weight, as SGLang's native models tie it
+        else:
+            head = ParallelLMHead(
+                embedding.org_vocab_size,
+                embedding.embedding_dim,
+                quant_config=self.quant_config,
+                prefix=self.head_name,
+            )
+        setattr(self, self.head_name, head)
+        scale, _ = measure_head(hf_model, self.head_name)  # soft-cap comes from the config
+        self.logits_processor = LogitsProcessor(
+            self.text_config, logit_scale=None if scale == 1.0 else scale
+        )
+
+    def tied_parameters(self) -> set[str]:
+        return {f"{self.head_name}.weight"} if self.tie_word_embeddings else set()
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        pp_proxy_tensors: PPProxyTensors | None = None,
+        input_embeds: torch.Tensor | None = None,
+        get_embedding: bool = False,
+    ) -> LogitsProcessorOutput:
+        hidden = self.backbone_forward(input_ids, positions, forward_batch, input_embeds)
+        head = getattr(self, self.head_name)
+        return self.logits_processor(input_ids, hidden, head, forward_batch)
+
+
+def output_embedding_name(hf_model: PreTrainedModel) -> str:
+    head = hf_model.get_output_embeddings()
+    for name, child in hf_model.named_children():
+        if child is head:
+            return name
+    raise IncompatibleModelError(
+        f"{type(hf_model).__name__} has no output embedding among its direct children; "
+        "sglang_hf_backend cannot find its LM head."
+    )
+
+
+def measure_head(hf_model: PreTrainedModel, head_name: str) -> tuple[float, float | None]:
+    """(scale, softcap) of the HF head's logit post-processing, checked over a range.
+
+    The head is run with the backbone returning probe values and the projection
+    replaced by identity, so what comes out is exactly the post-processing.
+    """
+    probe = torch.arange(-32.0, 32.0).reshape(1, 4, 16)  # holds 1.0, and values past common caps
+    out = _run_head(hf_model, head_name, probe)
+    softcap = getattr(hf_model.config.get_text_config(), "final_logit_softcapping", None) or None
+    at_one = out[probe == 1.0].item()
+    scale = softcap * math.atanh(at_one / softcap) if softcap else at_one
+    if math.isclose(scale, 1.0, rel_tol=1e-6):
+        scale = 1.0
+    expected = probe * scale
+    if softcap:
+        expected = softcap * torch.tanh(expected / softcap)
+    if out.shape != probe.shape or not torch.allclose(out, expected, rtol=1e-5, atol=1e-5):
+        raise IncompatibleModelError(
+            f"{type(hf_model).__name__}.forward transforms logits in a way SGLang's logits "
+            "processor cannot reproduce (it supports one constant scale and a final soft-cap)."
+        )
+    return scale, softcap
+
+
+def _run_head(hf_model: PreTrainedModel, head_name: str, hidden: torch.Tensor) -> torch.Tensor:
+    backbone_name = hf_model.base_model_prefix
+    with _swapped(hf_model, {backbone_name: _ProbeBackbone(hidden), head_name: nn.Identity()}):
+        ids = torch.zeros(hidden.shape[:2], dtype=torch.long)
+        return hf_model(input_ids=ids, use_cache=False).logits.float()
+
+
+class _ProbeBackbone(nn.Module):
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, *args, **kwargs) -> BaseModelOutputWithPastAndCrossAttentions:
+        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=self.hidden)
+
+
+@contextlib.contextmanager
+def _swapped(module: nn.Module, replacements: dict[str, nn.Module]):
+    saved = {name: getattr(module, name) for name in replacements}
+    try:
+        for name, child in replacements.items():
+            setattr(module, name, child)
+        yield
+    finally:
+        for name, child in saved.items():
+            setattr(module, name, child)

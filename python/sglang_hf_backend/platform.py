@@ -1,0 +1,97 @@
+"""A CPU platform for SGLang, active only on machines without an accelerator.
+
+SGLang 0.5.23's base CPU platform leaves three gaps on a plain CPU machine: native
+rotary embeddings import vllm, ``get_device()`` finds no device for parameters that
+are not replaced, and TP groups try PyNccl. An out-of-tree platform closes all three:
+being out-of-tree selects the native rotary path, ``get_device`` answers "cpu" (so
+``device="cpu"`` need not be given), and ``supports_pynccl=False`` keeps TP on gloo.
+A fourth gap shows with final-logit soft-capping (Gemma2): the logits processor
+launches a Triton kernel on any platform but NPU and SGLang's own CPU engine;
+``install_cpu_kernel_fallbacks`` swaps in the same computation in torch.
+The platform also picks our batched CPU attention backend (``cpu_attention.py``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+from sglang.srt.platforms.cpu import CpuDeviceMixin
+from sglang.srt.platforms.device_mixin import PlatformEnum
+from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
+
+
+CPU_ATTENTION_BACKEND = "cpu_sdpa"
+
+
+def accelerator_present() -> bool:
+    """True when torch sees any device SGLang has an in-tree platform for."""
+    checks = (
+        lambda: torch.cuda.is_available(),
+        lambda: hasattr(torch, "xpu") and torch.xpu.is_available(),
+        lambda: hasattr(torch, "npu") and torch.npu.is_available(),
+        lambda: hasattr(torch, "mps") and torch.mps.is_available(),
+        lambda: getattr(torch.version, "musa", None) is not None,
+    )
+    return any(check() for check in checks)
+
+
+def serves_this_machine() -> bool:
+    """Our platform is the one in charge: no accelerator, no request for SGLang's CPU engine."""
+    return os.environ.get("SGLANG_USE_CPU_ENGINE", "0") != "1" and not accelerator_present()
+
+
+def activate() -> str | None:
+    """Entry point of ``sglang.srt.platforms``: our platform, or None to stand aside.
+
+    Stands aside where an accelerator exists (its own platform serves it) and where
+    the user asked for SGLang's own CPU engine (``SGLANG_USE_CPU_ENGINE=1``).
+    """
+    return f"{__name__}.{HFBackendCpuPlatform.__qualname__}" if serves_this_machine() else None
+
+
+def softcap_inplace(logits: torch.Tensor, softcap: float) -> torch.Tensor:
+    """``softcap * tanh(logits / softcap)`` in place, as SGLang's Triton kernel computes it."""
+    return logits.div_(softcap).tanh_().mul_(softcap)
+
+
+def install_cpu_kernel_fallbacks() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(
+        "sglang.kernels.ops.activation.softcap.softcap_inplace_logits",
+        softcap_inplace,
+        HookType.REPLACE,
+    )
+
+
+class HFBackendCpuPlatform(CpuDeviceMixin, SRTPlatform):
+    """SGLang on a CPU-only machine, through the out-of-tree platform seam."""
+
+    _enum = PlatformEnum.OOT
+    capabilities = PlatformCapabilities(supports_pynccl=False)
+
+    def get_device(self, device_id: int = 0) -> str:
+        # SGLang's server-argument resolution splits this value as a string.
+        return "cpu"
+
+    def get_default_attention_backend(self) -> str:
+        return CPU_ATTENTION_BACKEND
+
+    def is_pin_memory_available(self, device=None) -> bool:
+        return False
+
+    def apply_server_args_defaults(self, server_args) -> None:
+        """Serve attention with our CPU backend unless the user picked another one.
+
+        SGLang's CPU rule has already filled in ``intel_amx`` when nothing was chosen; that
+        backend needs a CPU build of ``sgl_kernel`` (not on PyPI) and otherwise falls back
+        to the per-request ``torch_native`` loop.
+        """
+        if server_args.attention_backend in (None, "intel_amx") and not _cpu_kernels_installed():
+            server_args.attention_backend = CPU_ATTENTION_BACKEND
+
+
+def _cpu_kernels_installed() -> bool:
+    return importlib.util.find_spec("sgl_kernel") is not None

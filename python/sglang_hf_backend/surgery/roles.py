@@ -1,0 +1,127 @@
+"""What each linear of a module class does, read off its dataflow trace.
+
+Roles are found by following values through the trace, not by attribute names:
+the projections whose outputs reach the attention call's query/key/value, the
+projection that consumes the attention output, and an MLP's up- and down-projections.
+Tensor parallelism and fusion both start from these roles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from sglang_hf_backend.surgery.linear import is_linear
+from sglang_hf_backend.surgery.trace import ModuleTrace, Node
+
+SPLIT_OPS = {"split", "chunk", "unbind", "split_with_sizes", "tensor_split"}
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionRoles:
+    """Child linears of an attention class; q/k/v may all name one packed projection."""
+
+    q: str
+    k: str
+    v: str
+    out: str | None
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((self.q, self.k, self.v)))
+
+
+@dataclasses.dataclass(frozen=True)
+class MlpRoles:
+    up: tuple[str, ...]  # projections of the module input, combined elementwise
+    down: str  # projection back to the hidden size
+
+
+def child_linears(module: nn.Module) -> set[str]:
+    return {name for name, child in module.named_children() if is_linear(child)}
+
+
+def source_linears(trace: ModuleTrace, value: int, linears: set[str]) -> set[str]:
+    """Linears whose outputs reach ``value`` without passing through another linear."""
+    found, seen, stack = set(), set(), [value]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        node = trace.producer(current)
+        if node is None:
+            continue
+        if node.kind == "module" and node.target in linears:
+            found.add(node.target)
+            continue
+        stack.extend(node.inputs)
+    return found
+
+
+def sink_linears(trace: ModuleTrace, value: int, linears: set[str]) -> set[str]:
+    """Linears that consume ``value`` (possibly after other ops), stopping at the first linear."""
+    found, seen, stack = set(), set(), [value]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for node in trace.consumers(current):
+            if node.kind == "module" and node.target in linears:
+                found.add(node.target)
+            else:
+                stack.extend(node.outputs)
+    return found
+
+
+def linear_output(trace: ModuleTrace, child: str) -> int | None:
+    calls = trace.module_calls(child)
+    return calls[0].outputs[0] if calls and calls[0].outputs else None
+
+
+def split_parts(trace: ModuleTrace, child: str) -> int:
+    """How many parts a linear's output is cut into right away (1 if it is not)."""
+    out = linear_output(trace, child)
+    if out is None:
+        return 1
+    for node in trace.consumers(out):
+        if node.kind == "op" and node.target in SPLIT_OPS and len(node.outputs) > 1:
+            return len(node.outputs)
+    return 1
+
+
+def attention_roles(trace: ModuleTrace, module: nn.Module) -> AttentionRoles | None:
+    """The projections around the (single) attention call of this class, if clear-cut."""
+    calls = trace.attention_calls()
+    if len(calls) != 1:
+        return None
+    call: Node = calls[0]
+    linears = child_linears(module)
+    sources = [source_linears(trace, value, linears) for value in call.inputs[:3]]
+    if any(len(s) != 1 for s in sources):
+        return None
+    q, k, v = (next(iter(s)) for s in sources)
+    sinks = sink_linears(trace, call.outputs[0], linears) if call.outputs else set()
+    return AttentionRoles(q, k, v, next(iter(sinks)) if len(sinks) == 1 else None)
+
+
+def mlp_roles(trace: ModuleTrace, module: nn.Module) -> MlpRoles | None:
+    """Up-projections feeding one down-projection that produces the module output."""
+    if trace.attention_calls() or not trace.outputs:
+        return None
+    linears = child_linears(module)
+    downs = source_linears(trace, trace.outputs[0], linears)
+    if len(downs) != 1:
+        return None
+    down = next(iter(downs))
+    call = trace.module_calls(down)[0]
+    ups = set().union(*(source_linears(trace, v, linears) for v in call.inputs))
+    if not ups or down in ups:
+        return None
+    # Every up-projection must read the module input directly, not another linear.
+    for up in ups:
+        if source_linears(trace, trace.module_calls(up)[0].inputs[0], linears):
+            return None
+    return MlpRoles(tuple(sorted(ups)), down)

@@ -1,0 +1,132 @@
+"""Tiny random-weight checkpoints (fp32 safetensors + local tokenizer), built on demand.
+
+Each entry of ``TINY_MODELS`` is a config for one architecture, small enough to build
+in about a second, with the settings that make the architecture special switched on
+(Gemma2's soft-caps and a sliding window shorter than the test prompts, Granite's
+multipliers, GPT-NeoX's partial rotary, ...). Weights come from a fixed seed, so a
+checkpoint is the same in every run.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+from sglang_hf_backend.testing.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, train_tokenizer
+
+REMOTE_CODE_DIR = Path(__file__).parent / "remote_code"
+
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    pad_token_id=PAD_ID,
+    max_position_embeddings=2048,
+)
+_DECODER = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    **_COMMON,
+)
+
+
+def _config(class_name: str, **overrides) -> Callable[[], PretrainedConfig]:
+    def make() -> PretrainedConfig:
+        params = dict(_DECODER)
+        params.update(overrides)
+        return getattr(transformers, class_name)(**params)
+
+    return make
+
+
+TINY_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
+    "llama": _config("LlamaConfig"),
+    "llama-tied": _config("LlamaConfig", tie_word_embeddings=True),
+    "llama-mqa": _config("LlamaConfig", num_key_value_heads=1),
+    "qwen2": _config("Qwen2Config"),
+    "qwen3": _config("Qwen3Config", head_dim=16),
+    "mistral": _config("MistralConfig", sliding_window=4096),
+    "granite": _config(
+        "GraniteConfig",
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.2,
+        logits_scaling=4.0,
+    ),
+    "gpt_neox": _config(
+        "GPTNeoXConfig", num_key_value_heads=None, rotary_pct=0.5, use_parallel_residual=True
+    ),
+    "olmo2": _config("Olmo2Config"),
+    "gemma2": _config(
+        "Gemma2Config",
+        num_hidden_layers=4,
+        head_dim=16,
+        sliding_window=8,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0,
+        query_pre_attn_scalar=16,
+        initializer_range=0.2,
+        hidden_act="gelu_pytorch_tanh",  # SGLang's native Gemma2 reads this older name
+    ),
+    "phi3": _config("Phi3Config", pad_token_id=PAD_ID),
+    "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, **_COMMON),
+}
+REMOTE_MODELS = {
+    "remote": "TinyLMForCausalLM",
+    "remote-eager": "TinyLMEagerForCausalLM",
+}
+INCOMPATIBLE_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
+    "gptj": lambda: transformers.GPTJConfig(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, **_COMMON),
+}
+
+
+def build_checkpoint(name: str, out_dir: str | Path, tokenizer_dir: str | Path, seed: int = 0) -> Path:
+    """Write checkpoint ``name`` (a key of the tables above) to ``out_dir``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    if name in REMOTE_MODELS:
+        model = _remote_model(REMOTE_MODELS[name], out_dir)
+    else:
+        config = {**TINY_MODELS, **INCOMPATIBLE_MODELS}[name]()
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False,
+        use_cache=name not in REMOTE_MODELS,  # TinyLM keeps no KV cache
+    )
+    model.save_pretrained(out_dir)
+    for item in Path(tokenizer_dir).iterdir():
+        shutil.copy(item, out_dir / item.name)
+    return out_dir
+
+
+def _remote_model(class_name: str, out_dir: Path):
+    """Instantiate TinyLM from files copied into the checkpoint, as the hub would ship them."""
+    for source in REMOTE_CODE_DIR.glob("*.py"):
+        shutil.copy(source, out_dir / source.name)
+    config_class = get_class_from_dynamic_module("configuration_tinylm.TinyLMConfig", str(out_dir))
+    model_class = get_class_from_dynamic_module(f"modeling_tinylm.{class_name}", str(out_dir))
+    config = config_class(
+        **{k: v for k, v in _COMMON.items() if k != "max_position_embeddings"},
+        use_attention_interface=class_name == "TinyLMForCausalLM",
+    )
+    config.auto_map = {
+        "AutoConfig": "configuration_tinylm.TinyLMConfig",
+        "AutoModelForCausalLM": f"modeling_tinylm.{class_name}",
+    }
+    config.architectures = [class_name]
+    return model_class(config).to(torch.float32)
+
+
+def build_tokenizer(out_dir: str | Path) -> Path:
+    train_tokenizer(out_dir)
+    return Path(out_dir)
