@@ -157,8 +157,8 @@ def attach_radix_attention(
     setattr(call.module, RADIX_ATTRIBUTE, attn)
 
 
-def check_kv_cache_layout(specs: list[AttentionLayerSpec], config) -> None:
-    """SGLang sizes the KV cache from config.json; the traced attention must agree with it."""
+def check_kv_cache_layout(specs: list[AttentionLayerSpec], config, tp_size: int) -> None:
+    """SGLang sizes the KV cache from the config; the traced attention must fit it per rank."""
     from types import SimpleNamespace
 
     from sglang.srt.configs.model_config import ModelConfig
@@ -166,12 +166,16 @@ def check_kv_cache_layout(specs: list[AttentionLayerSpec], config) -> None:
     text_config = config.get_text_config()
     view = SimpleNamespace(hf_config=config, hf_text_config=text_config, attention_arch=None)
     declared = {
-        "key/value heads": ModelConfig.get_total_num_kv_heads(view),
+        "key/value heads per rank": max(1, ModelConfig.get_total_num_kv_heads(view) // tp_size),
         "head_dim": getattr(text_config, "head_dim", None),
         "v_head_dim": getattr(text_config, "v_head_dim", None),
     }
     for spec in specs:
-        used = {"key/value heads": spec.num_kv_heads, "head_dim": spec.head_dim, "v_head_dim": spec.v_head_dim}
+        used = {
+            "key/value heads per rank": max(1, spec.num_kv_heads // tp_size),
+            "head_dim": spec.head_dim,
+            "v_head_dim": spec.v_head_dim,
+        }
         for what, value in used.items():
             if declared[what] is not None and declared[what] != value:
                 raise ValueError(

@@ -14,6 +14,7 @@ Capability mixins (causal LM head, ...) add their parts on top.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from typing import Iterable, Iterator
 
@@ -25,7 +26,7 @@ from sglang.srt.utils import get_device
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from sglang_hf_backend import compat
+from sglang_hf_backend import compat, diagnostics
 from sglang_hf_backend.attention import (
     ATTENTION_NAME,
     attach_radix_attention,
@@ -54,7 +55,7 @@ class TransformersBase(nn.Module):
         hf_class = compat.resolve_hf_class(config, get_server_args().trust_remote_code)
         compat.check_attention_interface(hf_class)
         self.hf_class_name = hf_class.__name__
-        hf_model = build_on_meta(hf_class, config)
+        hf_model = build_on_meta(hf_class, without_cpu_padding(config))
         self.backbone_name = hf_model.base_model_prefix
         backbone = hf_model.base_model
         self.model_trace: ModelTrace = trace_model(backbone)
@@ -67,12 +68,24 @@ class TransformersBase(nn.Module):
         replace_linears(backbone, self.tp_layout, self.tp_size, quant_config)
         replace_input_embedding(backbone)
         self.attention_layers = attach_attention(self.model_trace, backbone, self.tp_size, quant_config)
-        check_kv_cache_layout(self.attention_layers, config)
+        check_kv_cache_layout(self.attention_layers, config, self.tp_size)
         materialise_meta_parameters(backbone)
         setattr(self, self.backbone_name, backbone)
         self.weight_routes: dict[str, Route] = {}
         self.checkpoint_names = CheckpointNames.of(hf_model)
         self.add_capabilities(hf_model)
+        self.log_decisions()
+
+    def log_decisions(self) -> None:
+        diagnostics.decision("serving %s with %s", self.hf_class_name, type(self).__name__)
+        diagnostics.decision("attention: %s", describe_attention(self.attention_layers))
+        if self.tp_size > 1:
+            diagnostics.decision(
+                "tensor parallel over %d ranks (%s): %s",
+                self.tp_size,
+                "the model's tp_plan" if self.tp_layout.source == "plan" else "inferred from dataflow",
+                self.tp_layout.summary(),
+            )
 
     def add_capabilities(self, hf_model: PreTrainedModel) -> None:
         """Hook for capability mixins (LM head, ...), given the HF model built on meta."""
@@ -111,10 +124,12 @@ class TransformersBase(nn.Module):
         return set()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        rss_before = diagnostics.max_rss_bytes()
         tied = self.tied_parameters()
         loader = WeightLoader(self, self.checkpoint_names, self.weight_routes, tied)
         loaded = loader.load(weights)
         check_all_loaded(loaded, self.expected_checkpoint_keys(), tied)
+        diagnostics.report_load(self, rss_before)
         return loaded
 
     def expected_checkpoint_keys(self) -> set[str]:
@@ -127,6 +142,30 @@ class TransformersBase(nn.Module):
             if route.shard_id is not None
         }
         return keys
+
+
+# SGLang pads head counts and intermediate sizes in the config on CPU when they do not
+# divide by tp_size (``adjust_config_with_unaligned_cpu_tp``), keeping the originals as
+# ``original_<name>``. HF modules must be built with the checkpoint's real sizes.
+_CPU_PADDED = {
+    "num_attention_heads": "original_num_attention_heads",
+    "num_key_value_heads": "original_total_num_kv_heads",
+    "intermediate_size": "original_intermediate_size",
+    "moe_intermediate_size": "original_moe_intermediate_size",
+    "shared_expert_intermediate_size": "original_shared_expert_intermediate_size",
+}
+
+
+def without_cpu_padding(config: PretrainedConfig) -> PretrainedConfig:
+    """A copy of ``config`` with SGLang's CPU head/intermediate padding undone."""
+    restored = copy.deepcopy(config)
+    text_config = restored.get_text_config()
+    for target in [restored] + ([text_config] if text_config is not restored else []):
+        for name, original in _CPU_PADDED.items():
+            value = getattr(target, original, None)
+            if value is not None and hasattr(target, name):
+                setattr(target, name, value)
+    return restored
 
 
 def build_on_meta(hf_class: type[PreTrainedModel], config: PretrainedConfig) -> PreTrainedModel:
@@ -205,6 +244,23 @@ def attach_attention(trace: ModelTrace, backbone: nn.Module, tp_size: int, quant
             "one distinct KV-cache slot 0..N-1"
         )
     return specs
+
+
+def describe_attention(specs: list) -> str:
+    first = specs[0]
+    windows = sorted({s.sliding_window_size + 1 for s in specs if s.sliding_window_size >= 0})
+    caps = sorted({s.logit_cap for s in specs if s.logit_cap})
+    parts = [
+        f"{len(specs)} layers on RadixAttention",
+        f"{first.num_heads} heads / {first.num_kv_heads} KV heads",
+        f"head_dim {first.head_dim}",
+    ]
+    if windows:
+        sliding = sum(s.sliding_window_size >= 0 for s in specs)
+        parts.append(f"sliding window {windows} on {sliding} layers")
+    if caps:
+        parts.append(f"logit soft-cap {caps}")
+    return ", ".join(parts)
 
 
 def materialise_meta_parameters(module: nn.Module) -> None:

@@ -81,7 +81,8 @@ def measure_head(hf_model: PreTrainedModel, head_name: str) -> tuple[float, floa
     The head is run with the backbone returning probe values and the projection
     replaced by identity, so what comes out is exactly the post-processing.
     """
-    probe = torch.arange(-32.0, 32.0).reshape(1, 4, 16)  # holds 1.0, and values past common caps
+    # fp32 whatever the default dtype: the probe measures, it does not serve.
+    probe = torch.arange(-32.0, 32.0, dtype=torch.float32).reshape(1, 4, 16)  # has 1.0 and values past caps
     out = _run_head(hf_model, head_name, probe)
     softcap = getattr(hf_model.config.get_text_config(), "final_logit_softcapping", None) or None
     at_one = out[probe == 1.0].item()

@@ -1,0 +1,31 @@
+"""Session fixtures: one locally trained tokenizer and tiny checkpoints built on demand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sglang_hf_backend.testing.checkpoints import build_checkpoint
+from sglang_hf_backend.testing.tokenizer import train_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tokenizer")
+    train_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory, tokenizer_dir):
+    """``checkpoint(name)`` -> path of that tiny checkpoint, built once per session."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = build_checkpoint(name, root / name, tokenizer_dir)
+        return built[name]
+
+    return get

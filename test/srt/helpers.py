@@ -1,0 +1,162 @@
+"""Shared test helpers: real engines, HF references, prompts.
+
+Every engine here is a real ``sgl.Engine`` (scheduler subprocesses, paged KV cache) on a
+real checkpoint; the reference is plain transformers ``generate`` in fp32 with eager
+attention (the one HF implementation that applies every setting, soft-caps included).
+Prompts are compared as token ids so that tokenizer loading differences between HF and
+SGLang cannot hide or fake a mismatch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+PROMPTS = [
+    "def foo(x):",
+    "import os\nimport sys\n\nclass Parser(object):\n    def parse(self, text):\n        return",
+    "for i in range(10):",
+    "The quick brown fox jumps over the lazy dog and then runs away from the hunter",
+]
+NEW_TOKENS = 16
+GREEDY = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS}
+ENGINE_DEFAULTS = dict(dtype="float32", max_total_tokens=8192, log_level="error")
+TP2_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+def prompt_ids(path: Path, trust_remote_code: bool = False) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    return [tokenizer(p).input_ids for p in PROMPTS]
+
+
+@lru_cache(maxsize=None)
+def _hf_model(path: str, trust_remote_code: bool):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager", trust_remote_code=trust_remote_code
+    ).eval()
+
+
+def hf_greedy(path: Path, ids_list: list[list[int]], trust_remote_code: bool = False) -> list[list[int]]:
+    """New tokens from HF ``generate`` (greedy, fp32, eager attention), one prompt at a time."""
+    model = _hf_model(str(path), trust_remote_code)
+    outputs = []
+    with torch.no_grad():
+        for ids in ids_list:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+            outputs.append(out[0, len(ids) :].tolist())
+    return outputs
+
+
+@contextlib.contextmanager
+def env(**values: str):
+    """Set environment variables for what starts inside (SGLang subprocesses inherit them)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+class RunningEngine:
+    """An ``sgl.Engine`` plus the load reports its ranks wrote."""
+
+    def __init__(self, engine, report_dir: Path):
+        self.engine = engine
+        self.report_dir = report_dir
+
+    def generate_ids(self, ids_list: list[list[int]], sampling=GREEDY) -> list[list[int]]:
+        outs = self.engine.generate(input_ids=ids_list, sampling_params=sampling)
+        return [o["output_ids"] for o in outs]
+
+    def generate_each(self, ids_list: list[list[int]], sampling=GREEDY) -> list[list[int]]:
+        return [self.engine.generate(input_ids=ids, sampling_params=sampling)["output_ids"] for ids in ids_list]
+
+    def load_reports(self) -> list[dict]:
+        return [json.loads(p.read_text()) for p in sorted(self.report_dir.glob("rank*.json"))]
+
+
+@contextlib.contextmanager
+def running_engine(model_path: Path, extra_env: dict | None = None, **kwargs):
+    """Start a real engine on ``model_path``; shut it down afterwards."""
+    import sglang as sgl
+
+    from sglang_hf_backend.diagnostics import LOAD_REPORT_ENV
+
+    report_dir = Path(tempfile.mkdtemp(prefix="load-report-"))
+    options = {**ENGINE_DEFAULTS, **kwargs}
+    if options.get("tp_size", 1) > 1:
+        extra_env = {**TP2_ENV, **(extra_env or {})}
+    with env(**{LOAD_REPORT_ENV: str(report_dir), **(extra_env or {})}):
+        engine = sgl.Engine(model_path=str(model_path), **options)
+    try:
+        yield RunningEngine(engine, report_dir)
+    finally:
+        engine.shutdown()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """``python -m sglang.launch_server`` on 127.0.0.1, with its log kept for assertions."""
+
+    def __init__(self, args: list[str], log_path: Path, timeout: float = 180.0):
+        import subprocess
+        import sys
+        import time
+
+        import requests
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        command = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1",
+                   "--port", str(self.port), *args]
+        self._log = open(log_path, "w")
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise TimeoutError(f"server not healthy after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM and wait; returns the exit code."""
+        import signal
+
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(timeout=timeout)
+        self._log.close()
+        return self.process.returncode

@@ -1,0 +1,77 @@
+"""TransformersForCausalLM end to end: real engines on tiny checkpoints vs HF ``generate``.
+
+For each architecture: greedy fp32 output equals HF token for token, batched and one
+prompt at a time; the engine is served by our class (read from the rank's load report,
+not inferred); and where SGLang has a native class, the native engine gives the same tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from helpers import hf_greedy, prompt_ids, running_engine
+
+OURS = "sglang_hf_backend.models.TransformersForCausalLM"
+# architecture -> does SGLang 0.5.23 have a native class for it (on transformers 5.19)?
+ARCHITECTURES = {
+    "llama": True,
+    "llama-tied": True,  # tied input/output embeddings
+    "qwen2": True,  # q/k/v biases
+    "qwen3": True,  # per-head q/k norms
+    "mistral": True,
+    "granite": True,  # embedding/residual/attention multipliers, logits scaling
+    "gpt_neox": False,  # packed per-head qkv, partial rotary, parallel residual
+    "olmo2": True,  # q/k norms over all heads
+    "gemma2": True,  # attention and final soft-caps, sliding window on half the layers
+    "remote": False,  # trust_remote_code TinyLM, attention through the interface
+}
+NATIVE = [name for name, native in ARCHITECTURES.items() if native]
+
+
+@dataclasses.dataclass
+class Case:
+    """What our engine produced for one architecture (the engine is shut down again)."""
+
+    name: str
+    path: Path
+    ids: list[list[int]]
+    reference: list[list[int]]
+    batched: list[list[int]]
+    one_at_a_time: list[list[int]]
+    reports: list[dict]
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def case(request, checkpoint):
+    name = request.param
+    trust = name == "remote"
+    path = checkpoint(name)
+    ids = prompt_ids(path, trust)
+    reference = hf_greedy(path, ids, trust)
+    with running_engine(path, impl="transformers", trust_remote_code=trust) as engine:
+        batched, single = engine.generate_ids(ids), engine.generate_each(ids)
+        reports = engine.load_reports()
+    return Case(name, path, ids, reference, batched, single, reports)
+
+
+def test_served_by_our_class(case):
+    assert [r["model_class"] for r in case.reports] == [OURS]
+
+
+def test_batched_matches_hf(case):
+    assert case.batched == case.reference
+
+
+def test_one_at_a_time_matches_hf(case):
+    assert case.one_at_a_time == case.reference
+
+
+@pytest.mark.parametrize("case", NATIVE, indirect=True)
+def test_matches_native(case):
+    with running_engine(case.path, model_impl="sglang") as native:
+        native_out = native.generate_ids(case.ids)
+        assert native.load_reports() == []  # SGLang's own class served it, not ours
+    assert native_out == case.batched

@@ -1,0 +1,45 @@
+"""The CPU platform takes over only machines without an accelerator."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import torch
+
+from sglang_hf_backend import platform
+
+
+def test_registered_as_sglang_platform():
+    names = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="sglang.srt.platforms")}
+    assert names["sglang_hf_backend_cpu"] == "sglang_hf_backend.platform:activate"
+
+
+def test_active_on_this_cpu_only_machine():
+    assert not torch.cuda.is_available()
+    assert platform.activate() == "sglang_hf_backend.platform.HFBackendCpuPlatform"
+
+
+def test_resolved_by_sglang_as_current_platform():
+    from sglang.srt.platforms import current_platform
+
+    assert isinstance(current_platform, platform.HFBackendCpuPlatform)
+    assert current_platform.is_out_of_tree()  # the native rotary path needs no vllm
+    assert current_platform.get_device() == "cpu"  # device="cpu" need not be given
+    assert not current_platform.capabilities.supports_pynccl  # TP runs on gloo
+
+
+def test_stands_aside_for_sglangs_own_cpu_engine(monkeypatch):
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    assert platform.activate() is None
+
+
+def test_stands_aside_when_a_gpu_is_present(monkeypatch):
+    # No GPU here: torch's answer is the one thing this test has to stand in for.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert platform.activate() is None
+
+
+def test_final_softcap_fallback_matches_sglang_formula():
+    logits = torch.linspace(-100, 100, 11)
+    expected = 30.0 * torch.tanh(logits / 30.0)
+    assert torch.equal(platform.softcap_inplace(logits.clone(), 30.0), expected)
