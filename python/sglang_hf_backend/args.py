@@ -3,8 +3,8 @@
 ``sgl.Engine(impl="transformers")`` and ``launch_server --impl transformers`` are the
 spellings the transformers-backend pull requests used; SGLang itself calls the field
 ``model_impl``. Both work; giving both with different values is an error. When the
-arguments ask for the transformers implementation, the checkpoint is checked for
-compatibility here, in the launching process, before any subprocess starts.
+arguments ask for the transformers implementation, the model is checked here, in the
+launching process, before any subprocess starts (``compat.preflight``).
 """
 
 from __future__ import annotations
@@ -33,20 +33,23 @@ def resolve_model_impl(impl: str | None, model_impl: str | None) -> str:
     return impl or model_impl or "auto"
 
 
-def check_if_transformers(model_impl: str, model_path: str | None, trust_remote_code: bool, revision=None) -> None:
-    """Run the compatibility gate early when the transformers implementation is explicit."""
-    if model_impl == "transformers" and model_path:
+def preflight_if_transformers(model_impl: str, options: dict) -> None:
+    """Check the model in this process when the transformers implementation is explicit."""
+    if model_impl == "transformers" and options.get("model_path"):
         from sglang_hf_backend import compat
 
-        compat.check_checkpoint(model_path, trust_remote_code, revision)
+        compat.preflight(
+            options["model_path"],
+            bool(options.get("trust_remote_code")),
+            options.get("revision"),
+            int(options.get("tp_size") or 1),
+        )
 
 
 def build_engine_server_args(server_args_class, **kwargs: Any):
     """What ``sgl.Engine`` uses to build its ServerArgs: our keywords translated first."""
     model_impl = resolve_model_impl(kwargs.pop("impl", None), kwargs.pop("model_impl", None))
-    check_if_transformers(
-        model_impl, kwargs.get("model_path"), kwargs.get("trust_remote_code", False), kwargs.get("revision")
-    )
+    preflight_if_transformers(model_impl, kwargs)
     return server_args_class(model_impl=model_impl, **kwargs)
 
 
@@ -67,9 +70,7 @@ def from_cli_args(cls, args: argparse.Namespace) -> None:
     args.model_impl = resolve_model_impl(getattr(args, "impl", None), getattr(args, "model_impl", None))
     if hasattr(args, "impl"):
         del args.impl
-    check_if_transformers(
-        args.model_impl, getattr(args, "model_path", None), getattr(args, "trust_remote_code", False), getattr(args, "revision", None)
-    )
+    preflight_if_transformers(args.model_impl, vars(args))
 
 
 def install() -> None:

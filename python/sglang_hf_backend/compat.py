@@ -1,8 +1,9 @@
 """Can this checkpoint be served by sglang_hf_backend? Answered before any weight is read.
 
 Runs twice: in the launching process as soon as the arguments ask for the transformers
-implementation (so a user gets the error before subprocesses start), and again in each
-scheduler process when the model class is built (the authoritative check).
+implementation (``preflight``: a scheduler that fails takes its launcher down with it, so
+the user gets the error here instead), and again in each scheduler when the model class
+is built (the authoritative check).
 """
 
 from __future__ import annotations
@@ -62,11 +63,14 @@ def check_attention_interface(model_class: type[PreTrainedModel]) -> None:
     )
 
 
-def check_checkpoint(model_path: str, trust_remote_code: bool, revision: str | None = None) -> type:
-    """Both checks above, from a model path; returns the class that will serve it."""
-    config = AutoConfig.from_pretrained(
-        model_path, trust_remote_code=trust_remote_code, revision=revision
-    )
-    model_class = resolve_hf_class(config, trust_remote_code)
-    check_attention_interface(model_class)
-    return model_class
+def preflight(model_path: str, trust_remote_code: bool, revision: str | None = None, tp_size: int = 1) -> None:
+    """Everything checkable before SGLang starts: the class, the attention gate, the TP layout.
+
+    Builds the model on the meta device and traces it (no weights are read), exactly as
+    each scheduler will, so an error surfaces in the caller's process instead of a
+    scheduler subprocess.
+    """
+    from sglang_hf_backend.models.analysis import analyse
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code, revision=revision)
+    analyse(config, trust_remote_code, tp_size)

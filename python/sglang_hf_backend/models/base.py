@@ -1,22 +1,17 @@
 """TransformersBase: an HF backbone rebuilt from SGLang parts, read top to bottom.
 
 Construction, in order:
-1. resolve the HF class for the checkpoint and refuse incompatible ones (compat.py);
-2. build the HF model on the meta device, attention routed to our function;
-3. trace the backbone once on meta tensors (surgery/trace.py);
-4. decide the tensor-parallel layout (surgery/tensor_parallel.py);
-5. swap linears and the token embedding for SGLang's parallel layers;
-6. give every attention module a RadixAttention with its per-layer settings;
-7. materialise the parameters HF keeps (norms) on the real device.
+1. analyse the model (models/analysis.py): HF class, meta build, dataflow trace, TP layout;
+2. swap linears and the token embedding for SGLang's parallel layers;
+3. give every attention module a RadixAttention with its per-layer settings;
+4. materialise the parameters HF keeps (norms) on the real device.
 Capability mixins (causal LM head, ...) add their parts on top.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import logging
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -28,14 +23,14 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from sglang_hf_backend import compat, diagnostics
 from sglang_hf_backend.attention import (
-    ATTENTION_NAME,
     attach_radix_attention,
     check_kv_cache_layout,
     layer_spec,
 )
+from sglang_hf_backend.models.analysis import analyse
 from sglang_hf_backend.surgery.linear import build_linear, is_linear
-from sglang_hf_backend.surgery.tensor_parallel import TPLayout, plan_tensor_parallel
-from sglang_hf_backend.surgery.trace import ModelTrace, trace_model
+from sglang_hf_backend.surgery.tensor_parallel import TPLayout
+from sglang_hf_backend.surgery.trace import ModelTrace
 from sglang_hf_backend.weights import CheckpointNames, Route, WeightLoader, check_all_loaded
 
 logger = logging.getLogger(__name__)
@@ -52,19 +47,13 @@ class TransformersBase(nn.Module):
         self.tp_size = get_parallel().tp_size
         self.start_layer, self.end_layer = 0, self.text_config.num_hidden_layers
 
-        hf_class = compat.resolve_hf_class(config, get_server_args().trust_remote_code)
-        compat.check_attention_interface(hf_class)
-        self.hf_class_name = hf_class.__name__
-        hf_model = build_on_meta(hf_class, without_cpu_padding(config))
+        analysis = analyse(config, get_server_args().trust_remote_code, self.tp_size)
+        hf_model = analysis.hf_model
+        self.hf_class_name = type(hf_model).__name__
         self.backbone_name = hf_model.base_model_prefix
         backbone = hf_model.base_model
-        self.model_trace: ModelTrace = trace_model(backbone)
-        if not self.model_trace.attention_calls:
-            raise compat.IncompatibleModelError(
-                f"{self.hf_class_name} never called the attention interface during a trial "
-                "forward, so its attention cannot be routed to SGLang; it is not compatible."
-            )
-        self.tp_layout: TPLayout = plan_tensor_parallel(backbone, self.model_trace, self.tp_size)
+        self.model_trace: ModelTrace = analysis.trace
+        self.tp_layout: TPLayout = analysis.tp_layout
         replace_linears(backbone, self.tp_layout, self.tp_size, quant_config)
         replace_input_embedding(backbone)
         self.attention_layers = attach_attention(self.model_trace, backbone, self.tp_size, quant_config)
@@ -129,8 +118,16 @@ class TransformersBase(nn.Module):
         loader = WeightLoader(self, self.checkpoint_names, self.weight_routes, tied)
         loaded = loader.load(weights)
         check_all_loaded(loaded, self.expected_checkpoint_keys(), tied)
-        diagnostics.report_load(self, rss_before)
+        diagnostics.report_load(self, rss_before, self.load_report_details())
         return loaded
+
+    def load_report_details(self) -> dict:
+        """What tests and benchmarks read back about this rank's model."""
+        return {
+            "hf_class": self.hf_class_name,
+            "tp_source": self.tp_layout.source,
+            "placements": {name: p.describe() for name, p in self.tp_layout.placements.items()},
+        }
 
     def expected_checkpoint_keys(self) -> set[str]:
         """Parameter names, with packed parameters expanded to one key per shard."""
@@ -142,55 +139,6 @@ class TransformersBase(nn.Module):
             if route.shard_id is not None
         }
         return keys
-
-
-# SGLang pads head counts and intermediate sizes in the config on CPU when they do not
-# divide by tp_size (``adjust_config_with_unaligned_cpu_tp``), keeping the originals as
-# ``original_<name>``. HF modules must be built with the checkpoint's real sizes.
-_CPU_PADDED = {
-    "num_attention_heads": "original_num_attention_heads",
-    "num_key_value_heads": "original_total_num_kv_heads",
-    "intermediate_size": "original_intermediate_size",
-    "moe_intermediate_size": "original_moe_intermediate_size",
-    "shared_expert_intermediate_size": "original_shared_expert_intermediate_size",
-}
-
-
-def without_cpu_padding(config: PretrainedConfig) -> PretrainedConfig:
-    """A copy of ``config`` with SGLang's CPU head/intermediate padding undone."""
-    restored = copy.deepcopy(config)
-    text_config = restored.get_text_config()
-    for target in [restored] + ([text_config] if text_config is not restored else []):
-        for name, original in _CPU_PADDED.items():
-            value = getattr(target, original, None)
-            if value is not None and hasattr(target, name):
-                setattr(target, name, value)
-    return restored
-
-
-def build_on_meta(hf_class: type[PreTrainedModel], config: PretrainedConfig) -> PreTrainedModel:
-    """The HF model with parameters on meta (no memory) and buffers computed for real."""
-    with _parameters_on_meta():
-        return hf_class._from_config(
-            config, dtype=torch.get_default_dtype(), attn_implementation=ATTENTION_NAME
-        )
-
-
-@contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
-    """Create parameters on meta while buffers (e.g. RoPE frequencies) stay real."""
-    register = nn.Module.register_parameter
-
-    def register_on_meta(module, name, param):
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    nn.Module.register_parameter = register_on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
 
 
 def replace_linears(backbone: nn.Module, layout: TPLayout, tp_size: int, quant_config) -> None:

@@ -52,6 +52,9 @@ TINY_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
     "llama": _config("LlamaConfig"),
     "llama-tied": _config("LlamaConfig", tie_word_embeddings=True),
     "llama-mqa": _config("LlamaConfig", num_key_value_heads=1),
+    # mostly projection weights, to measure what each TP rank holds
+    "llama-wide": _config("LlamaConfig", hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
+                          num_attention_heads=8, num_key_value_heads=4),
     "qwen2": _config("Qwen2Config"),
     "qwen3": _config("Qwen3Config", head_dim=16),
     "mistral": _config("MistralConfig", sliding_window=4096),

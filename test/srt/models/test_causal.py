@@ -27,6 +27,9 @@ ARCHITECTURES = {
     "olmo2": True,  # q/k norms over all heads
     "gemma2": True,  # attention and final soft-caps, sliding window on half the layers
     "remote": False,  # trust_remote_code TinyLM, attention through the interface
+    "phi3": True,  # packed qkv and gate/up projections
+    "gpt2": True,  # Conv1D projections, learned positions, no TP plan
+    "llama-mqa": True,  # 4 query heads sharing 1 KV head
 }
 NATIVE = [name for name, native in ARCHITECTURES.items() if native]
 
