@@ -72,3 +72,21 @@ def report_load(model: nn.Module, rss_before: int, extra: dict | None = None) ->
         Path(directory).mkdir(parents=True, exist_ok=True)
         Path(directory, f"rank{report['tp_rank']}.json").write_text(json.dumps(report))
     return report
+
+
+def describe_layers(model: nn.Module) -> dict[str, str]:
+    """Each SGLang linear in ``model``: its SGLang class and how it splits across ranks."""
+    from sglang.srt.layers.linear import LinearBase
+
+    layers = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, LinearBase):
+            continue
+        base = next(c.__name__ for c in type(module).__mro__ if c.__module__.startswith("sglang.srt"))
+        flags = []
+        if getattr(module, "gather_output", False):
+            flags.append("gather output")
+        if getattr(module, "input_is_parallel", True) is False:
+            flags.append("split input")
+        layers[name] = base + (f" ({', '.join(flags)})" if flags else "")
+    return layers

@@ -7,7 +7,8 @@ being out-of-tree selects the native rotary path, ``get_device`` answers "cpu" (
 ``device="cpu"`` need not be given), and ``supports_pynccl=False`` keeps TP on gloo.
 A fourth gap shows with final-logit soft-capping (Gemma2): the logits processor
 launches a Triton kernel on any platform but NPU and SGLang's own CPU engine;
-``install_cpu_kernel_fallbacks`` swaps in the same computation in torch.
+``install_cpu_kernel_fallbacks`` swaps in the same computation in torch. SGLang's
+profiler also asks an out-of-tree platform for its profiler activity (CPU here).
 The platform also picks our batched CPU attention backend (``cpu_attention.py``).
 """
 
@@ -81,6 +82,12 @@ class HFBackendCpuPlatform(CpuDeviceMixin, SRTPlatform):
 
     def is_pin_memory_available(self, device=None) -> bool:
         return False
+
+    def get_torch_profiler_activity_str(self) -> str:
+        return "CPU"  # asked for by SGLang's profiler on out-of-tree platforms
+
+    def get_torch_profiler_activity(self) -> torch.profiler.ProfilerActivity:
+        return torch.profiler.ProfilerActivity.CPU
 
     def apply_server_args_defaults(self, server_args) -> None:
         """Serve attention with our CPU backend unless the user picked another one.

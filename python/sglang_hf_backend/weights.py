@@ -38,6 +38,9 @@ class Route:
     shard_id: str | int | None = None
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None
 
+    def under(self, prefix: str) -> "Route":
+        return dataclasses.replace(self, param=f"{prefix}.{self.param}")
+
 
 @dataclasses.dataclass
 class CheckpointNames:

@@ -1,8 +1,8 @@
 """Everything decided about a model before any parameter exists.
 
 The checkpoint's HF class (built-in or remote code) is resolved and gated, the model is
-built on the meta device, its backbone traced once, and its tensor-parallel layout
-planned. This runs in the launching process as a preflight (so bad input fails before
+built on the meta device, its backbone traced once, its tensor-parallel layout planned
+and its fusions matched. This runs in the launching process as a preflight (so bad input fails before
 subprocesses start) and at the start of model construction in every scheduler.
 """
 
@@ -19,6 +19,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from sglang_hf_backend import compat
 from sglang_hf_backend.attention import ATTENTION_NAME
+from sglang_hf_backend.surgery.fusers import FusionContext, FusionPlan, plan_fusions
 from sglang_hf_backend.surgery.tensor_parallel import TPLayout, plan_tensor_parallel
 from sglang_hf_backend.surgery.trace import ModelTrace, trace_model
 
@@ -28,6 +29,7 @@ class Analysis:
     hf_model: PreTrainedModel  # on meta: parameters hold no memory
     trace: ModelTrace
     tp_layout: TPLayout
+    fusions: FusionPlan
 
 
 def analyse(config: PretrainedConfig, trust_remote_code: bool, tp_size: int) -> Analysis:
@@ -40,7 +42,9 @@ def analyse(config: PretrainedConfig, trust_remote_code: bool, tp_size: int) -> 
             f"{hf_class.__name__} never called the attention interface during a trial "
             "forward, so its attention cannot be routed to SGLang; it is not compatible."
         )
-    return Analysis(hf_model, trace, plan_tensor_parallel(hf_model.base_model, trace, tp_size))
+    layout = plan_tensor_parallel(hf_model.base_model, trace, tp_size)
+    fusions = plan_fusions(trace, FusionContext(tp_size, layout))
+    return Analysis(hf_model, trace, layout, fusions)
 
 
 # SGLang pads head counts and intermediate sizes in the config on CPU when they do not

@@ -28,6 +28,7 @@ from sglang_hf_backend.attention import (
     layer_spec,
 )
 from sglang_hf_backend.models.analysis import analyse
+from sglang_hf_backend.surgery.fusers import apply_fusions, declared_packed_modules
 from sglang_hf_backend.surgery.linear import build_linear, is_linear
 from sglang_hf_backend.surgery.tensor_parallel import TPLayout
 from sglang_hf_backend.surgery.trace import ModelTrace
@@ -38,6 +39,10 @@ logger = logging.getLogger(__name__)
 
 class TransformersBase(nn.Module):
     """Serves an HF backbone with SGLang's attention, parallel layers and KV cache."""
+
+    # Read by SGLang's quantization configs before the model exists; each instance
+    # replaces it with the names its own fusions packed.
+    packed_modules_mapping = declared_packed_modules()
 
     def __init__(self, config: PretrainedConfig, quant_config=None, prefix: str = "") -> None:
         super().__init__()
@@ -54,13 +59,18 @@ class TransformersBase(nn.Module):
         backbone = hf_model.base_model
         self.model_trace: ModelTrace = analysis.trace
         self.tp_layout: TPLayout = analysis.tp_layout
+        self.fusions = analysis.fusions
+        self.weight_routes: dict[str, Route] = {
+            f"{self.backbone_name}.{name}": route.under(self.backbone_name)
+            for name, route in apply_fusions(backbone, self.model_trace, self.fusions, quant_config).items()
+        }
+        self.packed_modules_mapping = self.fusions.packed_modules_mapping()
         replace_linears(backbone, self.tp_layout, self.tp_size, quant_config)
         replace_input_embedding(backbone)
         self.attention_layers = attach_attention(self.model_trace, backbone, self.tp_size, quant_config)
         check_kv_cache_layout(self.attention_layers, config, self.tp_size)
         materialise_meta_parameters(backbone)
         setattr(self, self.backbone_name, backbone)
-        self.weight_routes: dict[str, Route] = {}
         self.checkpoint_names = CheckpointNames.of(hf_model)
         self.add_capabilities(hf_model)
         self.log_decisions()
@@ -68,6 +78,8 @@ class TransformersBase(nn.Module):
     def log_decisions(self) -> None:
         diagnostics.decision("serving %s with %s", self.hf_class_name, type(self).__name__)
         diagnostics.decision("attention: %s", describe_attention(self.attention_layers))
+        for line in self.fusions.log_lines(self.hf_class_name):
+            diagnostics.decision("%s", line)
         if self.tp_size > 1:
             diagnostics.decision(
                 "tensor parallel over %d ranks (%s): %s",
@@ -126,7 +138,8 @@ class TransformersBase(nn.Module):
         return {
             "hf_class": self.hf_class_name,
             "tp_source": self.tp_layout.source,
-            "placements": {name: p.describe() for name, p in self.tp_layout.placements.items()},
+            "layers": diagnostics.describe_layers(self.backbone),
+            "fusions": self.fusions.log_lines(self.hf_class_name),
         }
 
     def expected_checkpoint_keys(self) -> set[str]:

@@ -49,11 +49,17 @@ class HFRowParallelLinear(_TensorOutput, RowParallelLinear):
 
 
 class HFQKVParallelLinear(_TensorOutput, QKVParallelLinear):
-    pass
+    @property
+    def split_sizes(self) -> list[int]:
+        """This rank's q, k and v widths in the fused output."""
+        return [self.q_proj_shard_size, self.kv_proj_shard_size, self.v_proj_shard_size]
 
 
 class HFMergedColumnParallelLinear(_TensorOutput, MergedColumnParallelLinear):
-    pass
+    @property
+    def split_sizes(self) -> list[int]:
+        """This rank's width of each merged projection."""
+        return list(self.output_partition_sizes)
 
 
 @dataclasses.dataclass(frozen=True)

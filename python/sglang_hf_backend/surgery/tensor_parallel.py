@@ -133,7 +133,8 @@ def plan_tensor_parallel(backbone: nn.Module, trace: ModelTrace, tp_size: int) -
     for name, module in backbone.named_modules():
         if is_linear(module):
             style = style_of(name, plan)
-            placements[name] = placement_of_style(style, name) if style else REPLICATE
+            placement = placement_of_style(style, name) if style else REPLICATE  # unknown styles raise
+            placements[name] = placement if tp_size > 1 else REPLICATE
     layout = TPLayout(placements, "plan" if plan else "inferred")
     if tp_size == 1:
         return layout

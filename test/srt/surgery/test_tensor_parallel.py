@@ -63,27 +63,34 @@ def test_layout_source(case):
 
 
 def test_layout_shards_attention_and_mlp(case):
-    placements = case.reports[0]["placements"]
-    assert any(p.startswith("column") for p in placements.values())
-    assert any(p.startswith("row") for p in placements.values())
+    layers = case.reports[0]["layers"].values()
+    assert any(kind.startswith(("ColumnParallelLinear", "QKVParallelLinear", "MergedColumn")) for kind in layers)
+    assert any(kind.startswith("RowParallelLinear") for kind in layers)
 
 
 @pytest.mark.parametrize("case", ["llama-mqa"], indirect=True)
-def test_single_kv_head_is_replicated(case):
-    placements = case.reports[0]["placements"]
-    assert placements["layers.0.self_attn.k_proj"] == "replicate"
-    assert placements["layers.0.self_attn.v_proj"] == "replicate"
-    assert placements["layers.0.self_attn.q_proj"] == "column"
+def test_single_kv_head_is_replicated_by_the_fused_qkv(case):
+    layers = case.reports[0]["layers"]
+    # QKVParallelLinear gives each rank its 2 query heads and a copy of the one KV head
+    assert layers["layers.0.self_attn.qkv_proj"] == "QKVParallelLinear"
+    assert layers["layers.0.self_attn.o_proj"] == "RowParallelLinear"
+
+
+@pytest.mark.parametrize("case", ["olmo2"], indirect=True)
+def test_norms_over_all_heads_keep_qkv_gathered(case):
+    layers = case.reports[0]["layers"]
+    assert layers["layers.0.self_attn.q_proj"] == "ColumnParallelLinear (gather output)"
+    assert layers["layers.0.self_attn.o_proj"] == "RowParallelLinear"  # attention output is per rank
 
 
 @pytest.mark.parametrize("case", ["gpt2"], indirect=True)
 def test_gpt2_conv1d_layout_is_inferred(case):
-    placements = case.reports[0]["placements"]
-    assert placements["h.0.mlp.c_fc"] == "column"
-    assert placements["h.0.mlp.c_proj"] == "row"
-    assert placements["h.0.attn.c_proj"] == "row"
+    layers = case.reports[0]["layers"]
+    assert layers["h.0.mlp.c_fc"] == "ColumnParallelLinear"
+    assert layers["h.0.mlp.c_proj"] == "RowParallelLinear"
+    assert layers["h.0.attn.c_proj"] == "RowParallelLinear"
     # c_attn's output is cut with split(self.split_size): it runs gathered, attention sharded
-    assert placements["h.0.attn.c_attn"] == "column (gather output)"
+    assert layers["h.0.attn.c_attn"] == "ColumnParallelLinear (gather output)"
 
 
 def test_indivisible_heads_fail_before_start(checkpoint):
