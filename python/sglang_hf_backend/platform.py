@@ -52,6 +52,26 @@ def activate() -> str | None:
     return f"{__name__}.{HFBackendCpuPlatform.__qualname__}" if serves_this_machine() else None
 
 
+def register_cpu_attention_backend() -> None:
+    """Make ``cpu_sdpa`` a valid --attention-backend and build it when SGLang asks for it."""
+    from sglang.srt.arg_groups import choices
+
+    from sglang_hf_backend.plugin import when_imported
+
+    if CPU_ATTENTION_BACKEND not in choices.ATTENTION_BACKEND_CHOICES:
+        choices.add_attention_backend_choices([CPU_ATTENTION_BACKEND])
+    when_imported(
+        "sglang.srt.layers.attention.attention_registry",
+        lambda registry: registry.register_attention_backend(CPU_ATTENTION_BACKEND)(_build_cpu_attention),
+    )
+
+
+def _build_cpu_attention(model_runner):
+    from sglang_hf_backend.cpu_attention import CpuSdpaAttnBackend
+
+    return CpuSdpaAttnBackend(model_runner)
+
+
 def softcap_inplace(logits: torch.Tensor, softcap: float) -> torch.Tensor:
     """``softcap * tanh(logits / softcap)`` in place, as SGLang's Triton kernel computes it."""
     return logits.div_(softcap).tanh_().mul_(softcap)
@@ -72,6 +92,12 @@ class HFBackendCpuPlatform(CpuDeviceMixin, SRTPlatform):
 
     _enum = PlatformEnum.OOT
     capabilities = PlatformCapabilities(supports_pynccl=False)
+
+    def __init__(self) -> None:
+        super().__init__()
+        # The platform names cpu_sdpa as its default, so it registers it too: this
+        # holds even where general plugins are switched off (SGLANG_PLUGINS).
+        register_cpu_attention_backend()
 
     def get_device(self, device_id: int = 0) -> str:
         # SGLang's server-argument resolution splits this value as a string.

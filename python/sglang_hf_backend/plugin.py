@@ -24,21 +24,12 @@ def register() -> None:
 
     register_attention_function()
     args.install()
-    _add_cpu_attention_choice()
     if platform.serves_this_machine():
         platform.install_cpu_kernel_fallbacks()
+        # The CLI parser is built from the backend choices before SGLang resolves the
+        # platform (which registers cpu_sdpa itself), so register it here as well.
+        platform.register_cpu_attention_backend()
     when_imported("sglang.srt.models.registry", _register_model_classes)
-    when_imported("sglang.srt.layers.attention.attention_registry", _register_cpu_attention)
-
-
-def _add_cpu_attention_choice() -> None:
-    """Let --attention-backend accept our CPU backend (the parser reads this list)."""
-    from sglang.srt.arg_groups import choices
-
-    from sglang_hf_backend.platform import CPU_ATTENTION_BACKEND
-
-    if CPU_ATTENTION_BACKEND not in choices.ATTENTION_BACKEND_CHOICES:
-        choices.add_attention_backend_choices([CPU_ATTENTION_BACKEND])
 
 
 def _register_model_classes(registry_module) -> None:
@@ -46,12 +37,6 @@ def _register_model_classes(registry_module) -> None:
 
     for cls in ENTRY_CLASSES:
         registry_module.ModelRegistry.models[cls.__name__] = cls
-
-
-def _register_cpu_attention(registry_module) -> None:
-    from sglang_hf_backend.cpu_attention import register
-
-    register(registry_module)
 
 
 # -- run code right after a module is imported, without importing it now -------

@@ -133,3 +133,35 @@ def _remote_model(class_name: str, out_dir: Path):
 def build_tokenizer(out_dir: str | Path) -> Path:
     train_tokenizer(out_dir)
     return Path(out_dir)
+
+
+# Random-weight checkpoints for benchmarks: real model shapes, no hub download.
+BENCH_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
+    "llama-0.5b": lambda: transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=1536, intermediate_size=4096, num_hidden_layers=16,
+        num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=4096,
+    ),
+    "llama3.1-8b-shape": lambda: transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    ),
+    "qwen3-4b-shape": lambda: transformers.Qwen3Config(
+        vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def build_random_checkpoint(make_config: Callable[[], PretrainedConfig], out_dir: str | Path, seed: int = 0) -> Path:
+    """A bf16 random-weight checkpoint of ``make_config()``'s shape (built once, on GPU if any)."""
+    out_dir = Path(out_dir)
+    if (out_dir / "config.json").exists():
+        return out_dir
+    torch.manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(make_config(), dtype=torch.bfloat16)
+    model.save_pretrained(out_dir)
+    return out_dir
