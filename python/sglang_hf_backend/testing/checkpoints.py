@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig
+from transformers import AutoModel, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
 from sglang_hf_backend.testing.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, train_tokenizer
@@ -58,6 +58,7 @@ TINY_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
     "qwen2": _config("Qwen2Config"),
     "qwen3": _config("Qwen3Config", head_dim=16),
     "mistral": _config("MistralConfig", sliding_window=4096),
+    "mistral-swa": _config("MistralConfig", sliding_window=6),  # window shorter than the prompts
     "granite": _config(
         "GraniteConfig",
         embedding_multiplier=2.0,
@@ -92,6 +93,16 @@ INCOMPATIBLE_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
 }
 
 
+# Encoders (non-causal attention), served by SGLang's native classes as embedding models.
+ENCODER_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
+    "bert": lambda: transformers.BertConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=512, pad_token_id=PAD_ID,
+        position_embedding_type="absolute",  # SGLang's native BERT reads this older field
+    ),
+}
+
+
 def build_checkpoint(name: str, out_dir: str | Path, tokenizer_dir: str | Path, seed: int = 0) -> Path:
     """Write checkpoint ``name`` (a key of the tables above) to ``out_dir``."""
     out_dir = Path(out_dir)
@@ -99,6 +110,8 @@ def build_checkpoint(name: str, out_dir: str | Path, tokenizer_dir: str | Path, 
     torch.manual_seed(seed)
     if name in REMOTE_MODELS:
         model = _remote_model(REMOTE_MODELS[name], out_dir)
+    elif name in ENCODER_MODELS:
+        model = AutoModel.from_config(ENCODER_MODELS[name](), dtype=torch.float32)
     else:
         config = {**TINY_MODELS, **INCOMPATIBLE_MODELS}[name]()
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
