@@ -1,10 +1,12 @@
-"""Arguments we add to SGLang: ``impl`` (an alias of ``model_impl``).
+"""Arguments we add to SGLang: ``impl`` (an alias of ``model_impl``) and ``torchao_config``.
 
 ``sgl.Engine(impl="transformers")`` and ``launch_server --impl transformers`` are the
 spellings the transformers-backend pull requests used; SGLang itself calls the field
-``model_impl``. Both work; giving both with different values is an error. When the
-arguments ask for the transformers implementation, the model is checked here, in the
-launching process, before any subprocess starts (``compat.preflight``).
+``model_impl``. Both work; giving both with different values is an error.
+``torchao_config`` / ``--torchao-config`` (see ``quantization.py``) is validated here and
+handed to the scheduler processes. When the arguments ask for the transformers
+implementation, the model is checked here, in the launching process, before any
+subprocess starts (``compat.preflight``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,25 @@ def resolve_model_impl(impl: str | None, model_impl: str | None) -> str:
     return impl or model_impl or "auto"
 
 
-def preflight_if_transformers(model_impl: str, options: dict) -> None:
+def resolve_torchao(name: str | None, model_impl: str):
+    """The validated torchao setting (or None), published to the scheduler processes."""
+    from sglang_hf_backend.quantization import TorchaoConfigError, TorchaoSpec, publish
+
+    spec = TorchaoSpec.parse(name) if name else None
+    if spec is not None:
+        if model_impl != "transformers":
+            raise TorchaoConfigError(
+                f"torchao_config={name!r} is applied by sglang_hf_backend's transformers implementation; "
+                f"pass impl='transformers' (got model_impl={model_impl!r})."
+            )
+        import torch
+
+        spec.check_device("cuda" if torch.cuda.is_available() else "cpu", torch.bfloat16)
+    publish(spec)
+    return spec
+
+
+def preflight_if_transformers(model_impl: str, options: dict, torchao=None) -> None:
     """Check the model in this process when the transformers implementation is explicit."""
     if model_impl == "transformers" and options.get("model_path"):
         from sglang_hf_backend import compat
@@ -43,13 +63,15 @@ def preflight_if_transformers(model_impl: str, options: dict) -> None:
             bool(options.get("trust_remote_code")),
             options.get("revision"),
             int(options.get("tp_size") or 1),
+            torchao,
         )
 
 
 def build_engine_server_args(server_args_class, **kwargs: Any):
     """What ``sgl.Engine`` uses to build its ServerArgs: our keywords translated first."""
     model_impl = resolve_model_impl(kwargs.pop("impl", None), kwargs.pop("model_impl", None))
-    preflight_if_transformers(model_impl, kwargs)
+    torchao = resolve_torchao(kwargs.pop("torchao_config", None), model_impl)
+    preflight_if_transformers(model_impl, kwargs, torchao)
     return server_args_class(model_impl=model_impl, **kwargs)
 
 
@@ -61,6 +83,12 @@ def add_cli_args(_result, parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Alias of --model-impl (e.g. --impl transformers).",
     )
+    parser.add_argument(
+        "--torchao-config",
+        default=None,
+        help="Quantize each rank's linear weights with torchao as they load: int8wo, int8dq, "
+        "int4wo-<group_size>, fp8wo, fp8dq-per_row, fp8dq-per_tensor (needs --impl transformers).",
+    )
     # None marks "not given", so an explicit --model-impl can be told from the default.
     parser.set_defaults(model_impl=None)
 
@@ -68,9 +96,11 @@ def add_cli_args(_result, parser: argparse.ArgumentParser) -> None:
 def from_cli_args(cls, args: argparse.Namespace) -> None:
     """BEFORE-hook of ``ServerArgs.from_cli_args``: fold --impl into --model-impl."""
     args.model_impl = resolve_model_impl(getattr(args, "impl", None), getattr(args, "model_impl", None))
-    if hasattr(args, "impl"):
-        del args.impl
-    preflight_if_transformers(args.model_impl, vars(args))
+    torchao = resolve_torchao(getattr(args, "torchao_config", None), args.model_impl)
+    for ours in ("impl", "torchao_config"):
+        if hasattr(args, ours):
+            delattr(args, ours)
+    preflight_if_transformers(args.model_impl, vars(args), torchao)
 
 
 def install() -> None:

@@ -63,14 +63,20 @@ def check_attention_interface(model_class: type[PreTrainedModel]) -> None:
     )
 
 
-def preflight(model_path: str, trust_remote_code: bool, revision: str | None = None, tp_size: int = 1) -> None:
-    """Everything checkable before SGLang starts: the class, the attention gate, the TP layout.
+def preflight(
+    model_path: str, trust_remote_code: bool, revision: str | None = None, tp_size: int = 1, torchao=None
+) -> None:
+    """Everything checkable before SGLang starts: class, attention gate, TP layout, quantization.
 
     Builds the model on the meta device and traces it (no weights are read), exactly as
     each scheduler will, so an error surfaces in the caller's process instead of a
     scheduler subprocess.
     """
     from sglang_hf_backend.models.analysis import analyse
+    from sglang_hf_backend.surgery.tensor_parallel import local_input_features
 
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code, revision=revision)
-    analyse(config, trust_remote_code, tp_size)
+    analysis = analyse(config, trust_remote_code, tp_size)
+    if torchao is not None:
+        backbone = analysis.hf_model.base_model
+        torchao.check_group_size(local_input_features(backbone, analysis.tp_layout, tp_size))

@@ -78,12 +78,18 @@ class WeightLoader:
     """Loads one checkpoint into ``model`` and checks that it covered every parameter."""
 
     def __init__(
-        self, model: nn.Module, names: CheckpointNames, routes: dict[str, Route], tied: set[str]
+        self,
+        model: nn.Module,
+        names: CheckpointNames,
+        routes: dict[str, Route],
+        tied: set[str],
+        on_loaded: Callable[[str], None] | None = None,
     ):
         self.model = model
         self.names = names
         self.routes = routes
         self.tied = tied  # parameters shared with another one: a checkpoint copy is skipped
+        self.on_loaded = on_loaded  # told each loaded key ("param" or "param:shard")
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.buffers = {name for name, _ in model.named_buffers()}
 
@@ -98,7 +104,10 @@ class WeightLoader:
                     unexpected.append(raw_name)
                 continue
             self._load_one(route, tensor)
-            loaded.add(route.param if route.shard_id is None else f"{route.param}:{route.shard_id}")
+            key = route.param if route.shard_id is None else f"{route.param}:{route.shard_id}"
+            loaded.add(key)
+            if self.on_loaded is not None:
+                self.on_loaded(key)
         if unexpected:
             raise CheckpointMismatchError(
                 f"{len(unexpected)} checkpoint tensor(s) match no parameter of the model: "
@@ -127,6 +136,8 @@ class WeightLoader:
         param = self.params[route.param]
         owner_name, _, param_attr = route.param.rpartition(".")
         owner = self.model.get_submodule(owner_name)
+        if param.is_meta:
+            param = self._materialise(route.param, owner, param_attr, param)
         transform = getattr(owner, LOAD_TRANSFORM, {}).get(param_attr)
         if route.transform is not None:
             tensor = route.transform(tensor)
@@ -137,6 +148,17 @@ class WeightLoader:
             loader(param, tensor)
         else:
             loader(param, tensor, route.shard_id)
+
+
+    def _materialise(self, name: str, owner: nn.Module, attr: str, param: nn.Parameter) -> nn.Parameter:
+        """Give a parameter left on meta its memory, keeping SGLang's loader attributes."""
+        from sglang.srt.utils import get_device
+
+        real = nn.Parameter(torch.empty_like(param, device=get_device()), requires_grad=False)
+        real.__dict__.update(param.__dict__)
+        owner._parameters[attr] = real
+        self.params[name] = real
+        return real
 
 
 def _copy_whole(param: nn.Parameter, tensor: torch.Tensor) -> None:

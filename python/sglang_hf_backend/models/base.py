@@ -10,6 +10,7 @@ Capability mixins (causal LM head, ...) add their parts on top.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Iterable
 
@@ -21,7 +22,7 @@ from sglang.srt.utils import get_device
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from sglang_hf_backend import compat, diagnostics
+from sglang_hf_backend import compat, diagnostics, quantization
 from sglang_hf_backend.attention import (
     attach_radix_attention,
     check_kv_cache_layout,
@@ -30,7 +31,7 @@ from sglang_hf_backend.attention import (
 from sglang_hf_backend.models.analysis import analyse
 from sglang_hf_backend.surgery.fusers import apply_fusions, declared_packed_modules
 from sglang_hf_backend.surgery.linear import build_linear, is_linear
-from sglang_hf_backend.surgery.tensor_parallel import TPLayout
+from sglang_hf_backend.surgery.tensor_parallel import TPLayout, local_input_features
 from sglang_hf_backend.surgery.trace import ModelTrace
 from sglang_hf_backend.weights import CheckpointNames, Route, WeightLoader, check_all_loaded
 
@@ -60,16 +61,21 @@ class TransformersBase(nn.Module):
         self.model_trace: ModelTrace = analysis.trace
         self.tp_layout: TPLayout = analysis.tp_layout
         self.fusions = analysis.fusions
+        self.torchao = quantization.spec_from_env()
+        if self.torchao is not None:
+            self.torchao.check_group_size(local_input_features(backbone, self.tp_layout, self.tp_size))
+        # With torchao, linears get memory only when their weights arrive (see load_weights).
+        with torch.device("meta") if self.torchao else contextlib.nullcontext():
+            fused_routes = apply_fusions(backbone, self.model_trace, self.fusions, quant_config)
+            replace_linears(backbone, self.tp_layout, self.tp_size, quant_config)
         self.weight_routes: dict[str, Route] = {
-            f"{self.backbone_name}.{name}": route.under(self.backbone_name)
-            for name, route in apply_fusions(backbone, self.model_trace, self.fusions, quant_config).items()
+            f"{self.backbone_name}.{name}": route.under(self.backbone_name) for name, route in fused_routes.items()
         }
         self.packed_modules_mapping = self.fusions.packed_modules_mapping()
-        replace_linears(backbone, self.tp_layout, self.tp_size, quant_config)
         replace_input_embedding(backbone)
         self.attention_layers = attach_attention(self.model_trace, backbone, self.tp_size, quant_config)
         check_kv_cache_layout(self.attention_layers, config, self.tp_size)
-        materialise_meta_parameters(backbone)
+        materialise_meta_parameters(backbone, keep_linears_on_meta=self.torchao is not None)
         setattr(self, self.backbone_name, backbone)
         self.checkpoint_names = CheckpointNames.of(hf_model)
         self.add_capabilities(hf_model)
@@ -127,10 +133,24 @@ class TransformersBase(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         rss_before = diagnostics.max_rss_bytes()
         tied = self.tied_parameters()
-        loader = WeightLoader(self, self.checkpoint_names, self.weight_routes, tied)
+        expected = self.expected_checkpoint_keys()
+        quantizer = quantization.ShardQuantizer(self, self.torchao, expected) if self.torchao else None
+        loader = WeightLoader(
+            self, self.checkpoint_names, self.weight_routes, tied, on_loaded=quantizer and quantizer.loaded
+        )
         loaded = loader.load(weights)
-        check_all_loaded(loaded, self.expected_checkpoint_keys(), tied)
-        diagnostics.report_load(self, rss_before, self.load_report_details())
+        check_all_loaded(loaded, expected, tied)
+        details = self.load_report_details()
+        if quantizer is not None:
+            details.update(quantizer.summary())
+            diagnostics.decision(
+                "torchao %s: quantized %d linears as they loaded; their weights %.1f MB -> %.1f MB on rank 0",
+                self.torchao.name,
+                details["quantized_linears"],
+                details["quantized_bytes_before"] / 2**20,
+                details["quantized_bytes_after"] / 2**20,
+            )
+        diagnostics.report_load(self, rss_before, details)
         return loaded
 
     def load_report_details(self) -> dict:
@@ -224,10 +244,18 @@ def describe_attention(specs: list) -> str:
     return ", ".join(parts)
 
 
-def materialise_meta_parameters(module: nn.Module) -> None:
-    """Parameters HF keeps (norms, biases) move from meta to the device, to be loaded."""
+def materialise_meta_parameters(module: nn.Module, keep_linears_on_meta: bool = False) -> None:
+    """Parameters HF keeps (norms, biases) move from meta to the device, to be loaded.
+
+    With ``keep_linears_on_meta`` SGLang linears stay on meta: the weight loader gives each
+    one memory when its first tensor arrives (quantized loading keeps peaks low this way).
+    """
+    from sglang.srt.layers.linear import LinearBase
+
     device = get_device()
     for sub in module.modules():
+        if keep_linears_on_meta and isinstance(sub, LinearBase):
+            continue
         for name, param in list(sub._parameters.items()):
             if param is not None and param.device.type == "meta":
                 sub._parameters[name] = nn.Parameter(

@@ -238,3 +238,12 @@ def _check_divisible(backbone: nn.Module, layout: TPLayout, tp_size: int) -> Non
                 f"tp_size={tp_size}" + (f" in {placement.packed} packed parts" if placement.packed > 1 else "")
                 + "; choose a tp_size that divides it."
             )
+
+
+def local_input_features(backbone: nn.Module, layout: TPLayout, tp_size: int) -> dict[str, int]:
+    """Input features each rank's share of every linear has (row-parallel ones are split)."""
+    features = {}
+    for name, placement in layout.placements.items():
+        in_features, _ = linear_dims(backbone.get_submodule(name))
+        features[name] = in_features // tp_size if placement.kind == "row" else in_features
+    return features
