@@ -1,0 +1,1 @@
+"""Evaluation helpers behind scripts/rouge_parity.py and scripts/mmlu.py."""
