@@ -81,13 +81,17 @@ PRESETS = {
         ModelCase(
             "llama3.1-8b-shape",
             "bfloat16",
-            Workload(prompts=256, input_len=1024, output_len=256, serving_prompts=256, serving_concurrency=32),
+            Workload(
+                prompts=256, input_len=1024, output_len=256, serving_prompts=256, serving_concurrency=32
+            ),
             {"attention_backend": "flashinfer", "mem_fraction_static": 0.8},
         ),
         ModelCase(
             "qwen3-4b-shape",
             "bfloat16",
-            Workload(prompts=256, input_len=1024, output_len=256, serving_prompts=256, serving_concurrency=32),
+            Workload(
+                prompts=256, input_len=1024, output_len=256, serving_prompts=256, serving_concurrency=32
+            ),
             {"attention_backend": "flashinfer", "mem_fraction_static": 0.8},
         ),
     ],
@@ -214,8 +218,14 @@ def measure_hf(path: str, case: ModelCase, seed: int) -> dict:
     def generate(ids, new_tokens):
         batch = torch.tensor(ids, device=device)
         with torch.no_grad():
-            model.generate(batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                           attention_mask=torch.ones_like(batch), pad_token_id=0)
+            model.generate(
+                batch,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                attention_mask=torch.ones_like(batch),
+                pad_token_id=0,
+            )
         if device == "cuda":
             torch.cuda.synchronize()
 
@@ -247,9 +257,24 @@ def measure_serving(impl: str, path: str, case: ModelCase, seed: int) -> dict:
     vocab = AutoConfig.from_pretrained(path).get_text_config().vocab_size
     w = case.workload
     port = _free_port()
-    args = [sys.executable, "-m", "sglang.launch_server", "--model-path", path, "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", case.dtype, "--skip-tokenizer-init", "--log-level", "error",
-            "--model-impl", "sglang" if impl == "native" else "transformers"]
+    args = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        path,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        case.dtype,
+        "--skip-tokenizer-init",
+        "--log-level",
+        "error",
+        "--model-impl",
+        "sglang" if impl == "native" else "transformers",
+    ]
     for key, value in case.engine_args.items():
         args += [f"--{key.replace('_', '-')}", str(value)]
     server = subprocess.Popen(args, env=_impl_env(impl), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -277,8 +302,15 @@ async def _serve_requests(url: str, ids: list[list[int]], w: Workload) -> dict:
 
     async def one(session, prompt):
         async with semaphore:
-            body = {"input_ids": prompt, "stream": True,
-                    "sampling_params": {"temperature": 0.0, "max_new_tokens": w.serving_output_len, "ignore_eos": True}}
+            body = {
+                "input_ids": prompt,
+                "stream": True,
+                "sampling_params": {
+                    "temperature": 0.0,
+                    "max_new_tokens": w.serving_output_len,
+                    "ignore_eos": True,
+                },
+            }
             started = time.perf_counter()
             arrivals = []
             async with session.post(f"{url}/generate", json=body) as reply:
@@ -323,8 +355,22 @@ def run_worker(kind: str, impl: str, path: str, case: ModelCase, seed: int) -> d
     """Measure in a fresh process; returns its JSON result (or the error it died with)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as out:
         out_path = out.name
-    command = [sys.executable, __file__, "--worker", kind, "--impl", impl, "--path", path,
-               "--case", json.dumps(dataclasses.asdict(case)), "--seed", str(seed), "--result", out_path]
+    command = [
+        sys.executable,
+        __file__,
+        "--worker",
+        kind,
+        "--impl",
+        impl,
+        "--path",
+        path,
+        "--case",
+        json.dumps(dataclasses.asdict(case)),
+        "--seed",
+        str(seed),
+        "--result",
+        out_path,
+    ]
     done = subprocess.run(command, env=_impl_env(impl), capture_output=True, text=True)
     if done.returncode != 0:
         return {"error": done.stderr.strip()[-2000:]}
@@ -337,10 +383,15 @@ def summarise(results: list[dict]) -> dict:
     for r in results:
         for metric, value in r["metrics"].items():
             if isinstance(value, (int, float)):
-                summary.setdefault(r["model"], {}).setdefault(r["impl"], {}).setdefault(metric, []).append(value)
+                summary.setdefault(r["model"], {}).setdefault(r["impl"], {}).setdefault(metric, []).append(
+                    value
+                )
     return {
         model: {
-            impl: {m: {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)} for m, v in metrics.items()}
+            impl: {
+                m: {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}
+                for m, v in metrics.items()
+            }
             for impl, metrics in impls.items()
         }
         for model, impls in summary.items()
@@ -362,8 +413,12 @@ METRICS = [
 def markdown(summary: dict, impls: list[str]) -> str:
     lines = []
     for model, by_impl in summary.items():
-        lines += [f"**{model}** (median [min-max]; ratio to native; higher is better for tok/s)", "",
-                  "| metric | " + " | ".join(impls) + " |", "|---|" + "---|" * len(impls)]
+        lines += [
+            f"**{model}** (median [min-max]; ratio to native; higher is better for tok/s)",
+            "",
+            "| metric | " + " | ".join(impls) + " |",
+            "|---|" + "---|" * len(impls),
+        ]
         native = by_impl.get("native", {})
         for key, label, _ in METRICS:
             if not any(key in by_impl.get(i, {}) for i in impls):
@@ -389,9 +444,13 @@ def chart(summary: dict, impls: list[str], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(model, key, label) for model, by_impl in summary.items() for key, label, _ in METRICS
-              if key in ("offline_output_tok_s", "latency_ms_per_token", "serving_output_tok_s", "ttft_ms_median")
-              and any(key in by_impl.get(i, {}) for i in impls)]
+    panels = [
+        (model, key, label)
+        for model, by_impl in summary.items()
+        for key, label, _ in METRICS
+        if key in ("offline_output_tok_s", "latency_ms_per_token", "serving_output_tok_s", "ttft_ms_median")
+        and any(key in by_impl.get(i, {}) for i in impls)
+    ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
     colors = {"native": "#4c72b0", "builtin": "#dd8452", "ours": "#55a868", "hf": "#8172b3"}
     for ax, (model, key, label) in zip(axes[0], panels):
@@ -455,7 +514,9 @@ def main() -> None:
                 print(json.dumps(results[-1]), flush=True)
     summary = summarise(results)
     table = markdown(summary, impls)
-    (out / "results.json").write_text(json.dumps({"preset": args.preset, "results": results, "summary": summary}, indent=1))
+    (out / "results.json").write_text(
+        json.dumps({"preset": args.preset, "results": results, "summary": summary}, indent=1)
+    )
     (out / "table.md").write_text(table)
     chart(summary, impls, out / "chart.png")
     print(table)

@@ -50,8 +50,12 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2", help="checkpoint path, or 'smollm2'")
     parser.add_argument("--impl", default="transformers", help="comma list of hf, transformers, sglang")
     parser.add_argument("--server", help="score a running server (OpenAI API) instead of starting engines")
-    parser.add_argument("--num-examples", type=int, default=200, help="seeded sample size (all when omitted: -1)")
-    parser.add_argument("--subjects", help="comma list of subjects, written with spaces ('high school biology')")
+    parser.add_argument(
+        "--num-examples", type=int, default=200, help="seeded sample size (all when omitted: -1)"
+    )
+    parser.add_argument(
+        "--subjects", help="comma list of subjects, written with spaces ('high school biology')"
+    )
     parser.add_argument("--shots", type=int, choices=[0, 5], default=0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32")
@@ -95,18 +99,31 @@ def main() -> int:
 
     scores = {impl: mmlu.accuracy(questions, letters) for impl, letters in letters_by_impl.items()}
     differing = [
-        {"subject": q.subject, "question": q.question, "answer": q.answer,
-         "answers": {impl: letters[i] for impl, letters in letters_by_impl.items()}}
+        {
+            "subject": q.subject,
+            "question": q.question,
+            "answer": q.answer,
+            "answers": {impl: letters[i] for impl, letters in letters_by_impl.items()},
+        }
         for i, q in enumerate(questions)
         if len({letters[i] for letters in letters_by_impl.values()}) > 1
     ]
     markdown = mmlu.markdown_report(scores, differing)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "mmlu.json").write_text(json.dumps({
-        "num_questions": len(questions), "shots": args.shots, "seed": args.seed, "scores": scores,
-        "answers": letters_by_impl, "differing": differing,
-    }, indent=1))
+    (out / "mmlu.json").write_text(
+        json.dumps(
+            {
+                "num_questions": len(questions),
+                "shots": args.shots,
+                "seed": args.seed,
+                "scores": scores,
+                "answers": letters_by_impl,
+                "differing": differing,
+            },
+            indent=1,
+        )
+    )
     (out / "mmlu.md").write_text(markdown)
     (out / "mmlu.html").write_text(mmlu.html_report(markdown))
     for impl, score in scores.items():

@@ -39,7 +39,9 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2", help="checkpoint path, or 'smollm2'")
-    parser.add_argument("--impl", default="hf,transformers,sglang", help="comma list; the first is the reference")
+    parser.add_argument(
+        "--impl", default="hf,transformers,sglang", help="comma list; the first is the reference"
+    )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--torchao-config")
@@ -72,16 +74,20 @@ def main() -> int:
             runner.close()
 
     reference, report, failed = impls[0], {"model": path, "reference": impls[0], "results": {}}, False
-    print(f"reference: {reference}; thresholds: ROUGE-L >= {args.rouge_threshold}, logprob diff <= {args.logprob_threshold}")
+    print(
+        f"reference: {reference}; thresholds: ROUGE-L >= {args.rouge_threshold}, logprob diff <= {args.logprob_threshold}"
+    )
     for impl in impls[1:]:
         rows = rouge.compare(prompts, generations[reference], generations[impl])
         report["results"][impl] = [dataclasses.asdict(r) for r in rows]
         for i, row in enumerate(rows):
             ok = row.passes(args.rouge_threshold, args.logprob_threshold)
             failed |= not ok
-            print(f"{impl:>12} prompt {i} ({row.prompt_tokens:4d} tok): ROUGE-L {row.rouge_l:.3f}  "
-                  f"prefill diff {row.prefill_logprob_diff:.2e}  decode diff {row.decode_logprob_diff:.2e}  "
-                  f"{'ok' if ok else 'FAIL'}")
+            print(
+                f"{impl:>12} prompt {i} ({row.prompt_tokens:4d} tok): ROUGE-L {row.rouge_l:.3f}  "
+                f"prefill diff {row.prefill_logprob_diff:.2e}  decode diff {row.decode_logprob_diff:.2e}  "
+                f"{'ok' if ok else 'FAIL'}"
+            )
     report["passed"] = not failed
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))

@@ -20,10 +20,13 @@ fi
 
 echo "setup: creating .venv and installing the pinned stack (several minutes the first time)"
 [ -x .venv/bin/python ] || "$python" -m venv .venv
-pip=(.venv/bin/python -m pip --disable-pip-version-check)
-"${pip[@]}" install -q pip==26.3 setuptools==84.2.1 wheel==0.47.0
-"${pip[@]}" install -q --no-deps -r requirements/cpu.txt
-"${pip[@]}" install -q --no-deps --no-build-isolation -e .
+pip() {
+    # This machine's pip.conf names extra local indexes that may not exist: drop that noise.
+    .venv/bin/python -m pip --disable-pip-version-check "$@" 2> >(grep -v "is ignored: it is neither" >&2)
+}
+pip install -q pip==26.3 setuptools==84.2.1 wheel==0.47.0
+pip install -q --no-deps -r requirements/cpu.txt
+pip install -q --no-deps --no-build-isolation -e .
 .venv/bin/python -c "import sglang, transformers, torch, torchao, sglang_hf_backend"
 rm -f .venv/.installed-*
 touch "$stamp"

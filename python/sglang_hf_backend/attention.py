@@ -10,7 +10,6 @@ the ``RadixAttention`` attached to that module, which reads and writes the KV ca
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any
 
 import torch
@@ -18,8 +17,6 @@ from torch import nn
 from transformers import AttentionInterface
 
 from sglang_hf_backend.surgery.trace import AttentionCall, active_tracer
-
-logger = logging.getLogger(__name__)
 
 ATTENTION_NAME = "sglang_hf_backend"
 RADIX_ATTRIBUTE = "sglang_attn"

@@ -15,7 +15,6 @@ the way HF's eager attention does.
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +24,6 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 from sglang_hf_backend.platform import CPU_ATTENTION_BACKEND
-
-logger = logging.getLogger(__name__)
 
 _SUPPORTED_MODES = {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.IDLE}
 
@@ -99,8 +96,14 @@ class CpuSdpaAttnBackend(AttentionBackend):
         rows = self.req_to_token[fb.req_pool_indices.to(torch.long), :max_len].to(torch.long)
         kv_index = torch.where(kv_pos[None, :] < kv_len[:, None], rows, 0)
         if fb.forward_mode.is_decode():
-            return BatchLayout(kv_index, kv_pos, kv_len, (kv_len - 1)[:, None],
-                               torch.ones_like(kv_len, dtype=torch.bool)[:, None], None)
+            return BatchLayout(
+                kv_index,
+                kv_pos,
+                kv_len,
+                (kv_len - 1)[:, None],
+                torch.ones_like(kv_len, dtype=torch.bool)[:, None],
+                None,
+            )
         new = fb.extend_seq_lens.to(torch.long)
         prefix = fb.extend_prefix_lens.to(torch.long)
         width = int(new.max())
@@ -137,7 +140,11 @@ class CpuSdpaAttnBackend(AttentionBackend):
             out = grouped_attention(query, keys, values, mask, layer.scaling, softcap)
         else:
             out = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=mask, scale=layer.scaling,
+                query,
+                keys,
+                values,
+                attn_mask=mask,
+                scale=layer.scaling,
                 enable_gqa=heads != keys.shape[1],
             )
         out = out.transpose(1, 2).reshape(batch * width, heads * v_dim)

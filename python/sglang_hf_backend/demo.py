@@ -39,14 +39,20 @@ def main() -> None:
     path = str(smollm2_checkpoint())
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
         for q in QUESTIONS
     ]
     report_dir = Path(tempfile.mkdtemp(prefix="sglang-hf-backend-demo-"))
     os.environ[LOAD_REPORT_ENV] = str(report_dir)  # the scheduler says which class it built
     started = time.perf_counter()
     engine = sgl.Engine(
-        model_path=path, impl="transformers", tp_size=args.tp_size, max_total_tokens=16384, log_level="warning"
+        model_path=path,
+        impl="transformers",
+        tp_size=args.tp_size,
+        max_total_tokens=16384,
+        log_level="warning",
     )
     served_by = json.loads((report_dir / "rank0.json").read_text())["model_class"]
     print(f"SmolLM2-135M-Instruct ready in {time.perf_counter() - started:.1f}s, served by {served_by}\n")

@@ -22,7 +22,6 @@ from sglang.srt.platforms.cpu import CpuDeviceMixin
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
-
 CPU_ATTENTION_BACKEND = "cpu_sdpa"
 
 

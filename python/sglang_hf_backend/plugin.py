@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
-import logging
 import sys
 from collections import defaultdict
 from typing import Callable
-
-logger = logging.getLogger(__name__)
 
 
 def register() -> None:

@@ -13,7 +13,6 @@ unquantized.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import re
 
@@ -21,8 +20,6 @@ import torch
 from torch import nn
 
 from sglang_hf_backend import diagnostics
-
-logger = logging.getLogger(__name__)
 
 TORCHAO_ENV = "SGLANG_HF_BACKEND_TORCHAO_CONFIG"
 VALID_NAMES = ("int8wo", "int8dq", "int4wo-<group_size>", "fp8wo", "fp8dq-per_row", "fp8dq-per_tensor")

@@ -11,7 +11,6 @@ unmatched or unloaded is an error that names the tensors, never a silent skip.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import re
 from typing import Callable, Iterable
 
@@ -22,8 +21,6 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightRenaming
 
 from sglang_hf_backend.surgery.linear import LOAD_TRANSFORM
-
-logger = logging.getLogger(__name__)
 
 
 class CheckpointMismatchError(ValueError):
@@ -148,7 +145,6 @@ class WeightLoader:
             loader(param, tensor)
         else:
             loader(param, tensor, route.shard_id)
-
 
     def _materialise(self, name: str, owner: nn.Module, attr: str, param: nn.Parameter) -> nn.Parameter:
         """Give a parameter left on meta its memory, keeping SGLang's loader attributes."""

@@ -10,6 +10,7 @@ SGLang cannot hide or fake a mismatch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import tempfile
@@ -84,7 +85,9 @@ class RunningEngine:
         return [o["output_ids"] for o in outs]
 
     def generate_each(self, ids_list: list[list[int]], sampling=GREEDY) -> list[list[int]]:
-        return [self.engine.generate(input_ids=ids, sampling_params=sampling)["output_ids"] for ids in ids_list]
+        return [
+            self.engine.generate(input_ids=ids, sampling_params=sampling)["output_ids"] for ids in ids_list
+        ]
 
     def load_reports(self) -> list[dict]:
         return [json.loads(p.read_text()) for p in sorted(self.report_dir.glob("rank*.json"))]
@@ -130,8 +133,16 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        command = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1",
-                   "--port", str(self.port), *args]
+        command = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *args,
+        ]
         self._log = open(log_path, "w")
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
@@ -160,3 +171,38 @@ class Server:
             self.process.wait(timeout=timeout)
         self._log.close()
         return self.process.returncode
+
+
+@dataclasses.dataclass
+class EngineCase:
+    """What one engine produced for one architecture (the engine is shut down again)."""
+
+    name: str
+    path: Path
+    ids: list[list[int]]
+    reference: list[list[int]]  # HF generate
+    batched: list[list[int]]
+    one_at_a_time: list[list[int]]
+    reports: list[dict]
+
+
+_CASES: dict[tuple, EngineCase] = {}
+
+
+def engine_case(checkpoint, name: str, impl: str = "transformers", **options) -> EngineCase:
+    """Run the prompts through an engine, batched and one at a time, next to HF's answer.
+
+    Results are kept for the session: tests of different concerns that need the same
+    engine (say, our llama at TP=1) share one run instead of starting it again.
+    """
+    key = (name, impl, tuple(sorted(options.items())))
+    if key not in _CASES:
+        trust = name == "remote"
+        path = checkpoint(name)
+        ids = prompt_ids(path, trust)
+        reference = hf_greedy(path, ids, trust)
+        with running_engine(path, model_impl=impl, trust_remote_code=trust, **options) as engine:
+            batched, single = engine.generate_ids(ids), engine.generate_each(ids)
+            reports = engine.load_reports()
+        _CASES[key] = EngineCase(name, path, ids, reference, batched, single, reports)
+    return _CASES[key]

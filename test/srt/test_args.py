@@ -37,9 +37,20 @@ def test_engine_rejects_conflicting_spellings_before_starting(checkpoint):
 
 def test_launch_server_rejects_conflicting_spellings(checkpoint):
     result = subprocess.run(
-        [sys.executable, "-m", "sglang.launch_server", "--model-path", str(checkpoint("llama")),
-         "--impl", "transformers", "--model-impl", "sglang"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(checkpoint("llama")),
+            "--impl",
+            "transformers",
+            "--model-impl",
+            "sglang",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode != 0
     assert "impl='transformers' and model_impl='sglang' disagree" in result.stderr

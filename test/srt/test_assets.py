@@ -29,7 +29,9 @@ def test_wrong_file_fails_the_checksum(tmp_path, monkeypatch):
 def test_missing_package_names_the_install_command(tmp_path, monkeypatch):
     monkeypatch.setenv("SGLANG_HF_BACKEND_CACHE", str(tmp_path))
     missing = assets.PinnedWheel("sglang-hf-backend-no-such-package", "0.0.1", "0" * 64)
-    with pytest.raises(assets.AssetError, match="pip download --no-deps sglang-hf-backend-no-such-package==0.0.1"):
+    with pytest.raises(
+        assets.AssetError, match="pip download --no-deps sglang-hf-backend-no-such-package==0.0.1"
+    ):
         assets.fetch_wheel(missing)
 
 

@@ -14,22 +14,24 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import NEW_TOKENS, PROMPTS, hf_greedy, prompt_ids, running_engine
+from helpers import NEW_TOKENS, PROMPTS, engine_case, hf_greedy, prompt_ids, running_engine
 from sglang_hf_backend.cpu_attention import CpuSdpaAttnBackend
 
 # (checkpoint, model_impl)
-CASES = [("llama", "transformers"), ("llama", "sglang"), ("mistral-swa", "transformers"), ("gpt_neox", "transformers")]
+CASES = [
+    ("llama", "transformers"),
+    ("llama", "sglang"),
+    ("mistral-swa", "transformers"),
+    ("gpt_neox", "transformers"),
+]
 
 
 @pytest.mark.parametrize(("name", "impl"), CASES)
 def test_same_tokens_as_torch_native_and_hf(checkpoint, name, impl):
-    path = checkpoint(name)
-    ids = prompt_ids(path)
-    outputs = {}
-    for backend in ("cpu_sdpa", "torch_native"):
-        with running_engine(path, model_impl=impl, attention_backend=backend) as engine:
-            outputs[backend] = engine.generate_ids(ids)
-    assert outputs["cpu_sdpa"] == outputs["torch_native"] == hf_greedy(path, ids)
+    ours = engine_case(checkpoint, name, impl=impl)  # cpu_sdpa is this platform's default
+    native_attention = engine_case(checkpoint, name, impl=impl, attention_backend="torch_native")
+    assert ours.batched == native_attention.batched == ours.reference
+    assert ours.one_at_a_time == native_attention.one_at_a_time == ours.reference
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,9 @@ def test_prefix_from_radix_cache(long_prompts):
     path, base, extended = long_prompts
     with running_engine(path, impl="transformers") as engine:
         engine.engine.generate(input_ids=base, sampling_params={"temperature": 0, "max_new_tokens": 1})
-        out = engine.engine.generate(input_ids=extended[0], sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS})
+        out = engine.engine.generate(
+            input_ids=extended[0], sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS}
+        )
     assert out["meta_info"]["cached_tokens"] >= 256
     assert out["output_ids"] == hf_greedy(path, [extended[0]])[0]
 
@@ -53,8 +57,9 @@ def test_chunked_prefill_and_mixed_batches(long_prompts):
     path, base, extended = long_prompts
     short = prompt_ids(path)
     prompts = [base, *short, *extended]
-    with running_engine(path, impl="transformers", chunked_prefill_size=64, enable_mixed_chunk=True,
-                        disable_radix_cache=True) as engine:
+    with running_engine(
+        path, impl="transformers", chunked_prefill_size=64, enable_mixed_chunk=True, disable_radix_cache=True
+    ) as engine:
         outputs = engine.generate_ids(prompts)
     assert outputs == hf_greedy(path, prompts)
 

@@ -42,7 +42,11 @@ class Run:
 def teacher_forced_run(engine) -> Run:
     """Top-1 prediction at every prompt position, plus a greedy continuation of each prompt."""
     outs = engine.engine.generate(
-        TEXTS, {"temperature": 0.0, "max_new_tokens": 16}, return_logprob=True, logprob_start_len=0, top_logprobs_num=1
+        TEXTS,
+        {"temperature": 0.0, "max_new_tokens": 16},
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=1,
     )
     top1 = [step[0][1] for out in outs for step in out["meta_info"]["input_top_logprobs"] if step]
     return Run(top1, [o["output_ids"] for o in outs], engine.load_reports())
@@ -73,8 +77,10 @@ def test_quantized_shards_stay_close(smollm2, baseline, config):
     assert report["quantized_linears"] == 30 * 4  # qkv, o, gate_up, down per layer
     ratio = report["quantized_bytes_after"] / report["quantized_bytes_before"]
     score = agreement(run.top1, baseline.top1)
-    print(f"{config}: linear weight bytes x{ratio:.3f} of bf16, top-1 agreement {score:.3f} "
-          f"over {len(baseline.top1)} positions")
+    print(
+        f"{config}: linear weight bytes x{ratio:.3f} of bf16, top-1 agreement {score:.3f} "
+        f"over {len(baseline.top1)} positions"
+    )
     assert ratio <= max_ratio
     assert score >= min_agreement
 
@@ -90,7 +96,9 @@ def test_tp2_quantizes_each_shard(checkpoint):
             outs = engine.engine.generate(
                 input_ids=[t["input_ids"] for t in texts],
                 sampling_params={"temperature": 0.0, "max_new_tokens": 8},
-                return_logprob=True, logprob_start_len=0, top_logprobs_num=1,
+                return_logprob=True,
+                logprob_start_len=0,
+                top_logprobs_num=1,
             )
             top1 = [step[0][1] for o in outs for step in o["meta_info"]["input_top_logprobs"] if step]
             runs[tp] = (top1, engine.load_reports())
@@ -105,7 +113,9 @@ def test_tp2_quantizes_each_shard(checkpoint):
 
 
 def test_unknown_config_lists_the_valid_ones(checkpoint):
-    with pytest.raises(TorchaoConfigError, match="Unknown torchao config 'int3wo'; valid names: int8wo, int8dq"):
+    with pytest.raises(
+        TorchaoConfigError, match="Unknown torchao config 'int3wo'; valid names: int8wo, int8dq"
+    ):
         sgl.Engine(model_path=str(checkpoint("llama")), impl="transformers", torchao_config="int3wo")
 
 
@@ -115,7 +125,9 @@ def test_config_the_device_cannot_run(checkpoint):
 
 
 def test_group_size_must_divide_each_shard(checkpoint):
-    with pytest.raises(TorchaoConfigError, match="group size 128 does not divide the 64 input features of layers.0"):
+    with pytest.raises(
+        TorchaoConfigError, match="group size 128 does not divide the 64 input features of layers.0"
+    ):
         sgl.Engine(model_path=str(checkpoint("llama")), impl="transformers", torchao_config="int4wo-128")
 
 

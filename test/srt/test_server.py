@@ -34,8 +34,16 @@ def engine_texts(checkpoint):
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory, engine_texts):
     # engine_texts first: an Engine's shutdown ends every child of this process, a server too.
-    args = ["--model-path", str(checkpoint(MODEL)), "--impl", "transformers",
-            "--dtype", ENGINE_DEFAULTS["dtype"], "--max-total-tokens", str(ENGINE_DEFAULTS["max_total_tokens"])]
+    args = [
+        "--model-path",
+        str(checkpoint(MODEL)),
+        "--impl",
+        "transformers",
+        "--dtype",
+        ENGINE_DEFAULTS["dtype"],
+        "--max-total-tokens",
+        str(ENGINE_DEFAULTS["max_total_tokens"]),
+    ]
     srv = Server(args, tmp_path_factory.mktemp("server") / "server.log")
     yield srv
     srv.stop()
@@ -55,7 +63,13 @@ def test_completions_match_engine(server, engine_texts):
 
 def test_streaming_completion_matches_engine(server, engine_texts):
     texts, _ = engine_texts
-    body = {"model": "default", "prompt": PROMPTS[1], "max_tokens": NEW_TOKENS, "temperature": 0, "stream": True}
+    body = {
+        "model": "default",
+        "prompt": PROMPTS[1],
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+        "stream": True,
+    }
     pieces = []
     with requests.post(f"{server.url}/v1/completions", json=body, stream=True, timeout=60) as reply:
         for line in reply.iter_lines():
@@ -67,8 +81,12 @@ def test_streaming_completion_matches_engine(server, engine_texts):
 
 def test_chat_completion_matches_engine(server, engine_texts):
     _, expected = engine_texts
-    body = {"model": "default", "messages": [{"role": "user", "content": PROMPTS[0]}],
-            "max_tokens": NEW_TOKENS, "temperature": 0}
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": PROMPTS[0]}],
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+    }
     reply = requests.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
     assert reply["choices"][0]["message"]["content"] == expected
 
@@ -81,8 +99,14 @@ def test_generate_matches_engine(server, engine_texts):
 
 
 def test_sigterm_shuts_down_cleanly(checkpoint, tmp_path_factory):
-    args = ["--model-path", str(checkpoint(MODEL)), "--impl", "transformers",
-            "--max-total-tokens", str(ENGINE_DEFAULTS["max_total_tokens"])]
+    args = [
+        "--model-path",
+        str(checkpoint(MODEL)),
+        "--impl",
+        "transformers",
+        "--max-total-tokens",
+        str(ENGINE_DEFAULTS["max_total_tokens"]),
+    ]
     srv = Server(args, tmp_path_factory.mktemp("server-stop") / "server.log")
     children = psutil.Process(srv.process.pid).children(recursive=True)
     assert children, "the server should run scheduler/detokenizer subprocesses"

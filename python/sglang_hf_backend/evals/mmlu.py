@@ -26,7 +26,9 @@ class Selection:
     shots: dict[str, list[MmluQuestion]]  # subject -> its shot pool
 
 
-def select(all_questions: list[MmluQuestion], num_examples: int | None, subjects: list[str] | None, seed: int) -> Selection:
+def select(
+    all_questions: list[MmluQuestion], num_examples: int | None, subjects: list[str] | None, seed: int
+) -> Selection:
     pools: dict[str, list[MmluQuestion]] = defaultdict(list)
     candidates = []
     for question in all_questions:
@@ -87,7 +89,9 @@ def markdown_report(scores: dict[str, dict], differing: list[dict]) -> str:
     lines.append("| **overall** | " + " | ".join(f"**{scores[i]['overall']:.3f}**" for i in impls) + " |")
     subjects = sorted(next(iter(scores.values()))["subjects"])
     for subject in subjects:
-        lines.append(f"| {subject} | " + " | ".join(f"{scores[i]['subjects'][subject]:.3f}" for i in impls) + " |")
+        lines.append(
+            f"| {subject} | " + " | ".join(f"{scores[i]['subjects'][subject]:.3f}" for i in impls) + " |"
+        )
     lines.append("")
     lines.append(f"{len(differing)} question(s) answered differently across implementations.")
     lines += [f"- {d['subject']}: {d['question'][:80]!r} -> {d['answers']}" for d in differing[:50]]

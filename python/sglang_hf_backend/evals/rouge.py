@@ -63,7 +63,9 @@ class PromptParity:
         )
 
 
-def compare(prompts: list[list[int]], reference: list[Generation], candidate: list[Generation]) -> list[PromptParity]:
+def compare(
+    prompts: list[list[int]], reference: list[Generation], candidate: list[Generation]
+) -> list[PromptParity]:
     return [
         PromptParity(
             prompt_tokens=len(ids),

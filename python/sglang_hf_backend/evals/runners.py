@@ -52,7 +52,9 @@ class HFRunner:
 
         if options.tp_size != 1 or options.torchao_config:
             raise ValueError("the hf reference runs unsharded and unquantized (tp_size=1, no torchao)")
-        self.tokenizer = AutoTokenizer.from_pretrained(options.model_path, trust_remote_code=options.trust_remote_code)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            options.model_path, trust_remote_code=options.trust_remote_code
+        )
         self.model = AutoModelForCausalLM.from_pretrained(
             options.model_path,
             dtype=getattr(torch, options.dtype),
@@ -66,10 +68,14 @@ class HFRunner:
         for ids in prompts:
             batch = torch.tensor([ids])
             out = self.model.generate(
-                batch, max_new_tokens=max_new_tokens, do_sample=False, output_scores=True,
-                return_dict_in_generate=True, attention_mask=torch.ones_like(batch),
+                batch,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+                attention_mask=torch.ones_like(batch),
             )
-            new = out.sequences[0, len(ids):].tolist()
+            new = out.sequences[0, len(ids) :].tolist()
             prefill = torch.log_softmax(self.model(batch).logits[0].float(), dim=-1)[:-1]
             decode = [torch.log_softmax(s[0].float(), dim=-1) for s in out.scores]
             text = self.tokenizer.decode(new, skip_special_tokens=True)  # as SGLang detokenizes

@@ -94,5 +94,3 @@ def _parameters_on_meta() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = register
-
-

@@ -11,7 +11,6 @@ Capability mixins (causal LM head, ...) add their parts on top.
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Iterable
 
 import torch
@@ -34,8 +33,6 @@ from sglang_hf_backend.surgery.linear import build_linear, is_linear
 from sglang_hf_backend.surgery.tensor_parallel import TPLayout, local_input_features
 from sglang_hf_backend.surgery.trace import ModelTrace
 from sglang_hf_backend.weights import CheckpointNames, Route, WeightLoader, check_all_loaded
-
-logger = logging.getLogger(__name__)
 
 
 class TransformersBase(nn.Module):
@@ -69,7 +66,8 @@ class TransformersBase(nn.Module):
             fused_routes = apply_fusions(backbone, self.model_trace, self.fusions, quant_config)
             replace_linears(backbone, self.tp_layout, self.tp_size, quant_config)
         self.weight_routes: dict[str, Route] = {
-            f"{self.backbone_name}.{name}": route.under(self.backbone_name) for name, route in fused_routes.items()
+            f"{self.backbone_name}.{name}": route.under(self.backbone_name)
+            for name, route in fused_routes.items()
         }
         self.packed_modules_mapping = self.fusions.packed_modules_mapping()
         replace_input_embedding(backbone)
@@ -105,7 +103,9 @@ class TransformersBase(nn.Module):
         return self.backbone.get_input_embeddings()
 
     def get_attention_sliding_window_size(self) -> int | None:
-        windows = {spec.sliding_window_size for spec in self.attention_layers if spec.sliding_window_size >= 0}
+        windows = {
+            spec.sliding_window_size for spec in self.attention_layers if spec.sliding_window_size >= 0
+        }
         return max(windows) if windows else None
 
     def backbone_forward(

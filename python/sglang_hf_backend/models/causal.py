@@ -42,9 +42,7 @@ class CausalMixin:
             )
         setattr(self, self.head_name, head)
         scale, _ = measure_head(hf_model, self.head_name)  # soft-cap comes from the config
-        self.logits_processor = LogitsProcessor(
-            self.text_config, logit_scale=None if scale == 1.0 else scale
-        )
+        self.logits_processor = LogitsProcessor(self.text_config, logit_scale=None if scale == 1.0 else scale)
 
     def tied_parameters(self) -> set[str]:
         return {f"{self.head_name}.weight"} if self.tie_word_embeddings else set()

@@ -162,8 +162,6 @@ def rank_major(tensor: torch.Tensor, dim: int, parts: int, tp_size: int) -> torc
     """
     size = tensor.shape[dim]
     if size % (parts * tp_size):
-        raise ValueError(
-            f"cannot split a packed dimension of {size} into {parts} parts x {tp_size} ranks"
-        )
+        raise ValueError(f"cannot split a packed dimension of {size} into {parts} parts x {tp_size} ranks")
     shape = tensor.shape[:dim] + (parts, tp_size, size // (parts * tp_size)) + tensor.shape[dim + 1 :]
     return tensor.reshape(shape).transpose(dim, dim + 1).reshape(tensor.shape)

@@ -44,35 +44,32 @@ def child_linears(module: nn.Module) -> set[str]:
 
 def source_linears(trace: ModuleTrace, value: int, linears: set[str]) -> set[str]:
     """Linears whose outputs reach ``value`` without passing through another linear."""
-    found, seen, stack = set(), set(), [value]
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        node = trace.producer(current)
-        if node is None:
-            continue
-        if node.kind == "module" and node.target in linears:
-            found.add(node.target)
-            continue
-        stack.extend(node.inputs)
-    return found
+
+    def producers(v: int):
+        node = trace.producer(v)
+        return [node] if node is not None else []
+
+    return _first_linears(value, producers, lambda node: node.inputs, linears)
 
 
 def sink_linears(trace: ModuleTrace, value: int, linears: set[str]) -> set[str]:
     """Linears that consume ``value`` (possibly after other ops), stopping at the first linear."""
+    return _first_linears(value, trace.consumers, lambda node: node.outputs, linears)
+
+
+def _first_linears(value: int, neighbours, onward, linears: set[str]) -> set[str]:
+    """Walk the dataflow from ``value`` (either direction) up to the first linear on each path."""
     found, seen, stack = set(), set(), [value]
     while stack:
         current = stack.pop()
         if current in seen:
             continue
         seen.add(current)
-        for node in trace.consumers(current):
+        for node in neighbours(current):
             if node.kind == "module" and node.target in linears:
                 found.add(node.target)
             else:
-                stack.extend(node.outputs)
+                stack.extend(onward(node))
     return found
 
 

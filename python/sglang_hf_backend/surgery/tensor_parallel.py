@@ -171,7 +171,9 @@ def _attention_layout(
     """q/k/v/out placements for one attention class, checked on meta tensors."""
     prefix = f"{class_trace.instance}." if class_trace.instance else ""
     local = {
-        child: layout.placements[prefix + child] if plan else Placement("column", packed=split_parts(class_trace, child))
+        child: layout.placements[prefix + child]
+        if plan
+        else Placement("column", packed=split_parts(class_trace, child))
         for child in roles.inputs
     }
     if roles.out is not None:
@@ -182,9 +184,7 @@ def _attention_layout(
     if not _runs_sharded(module, class_trace, local, tp_size):
         gathered = Placement("column", gather_output=True)
         local.update({child: gathered for child in roles.inputs})
-        layout.notes.append(
-            f"{type(module).__name__}: attention inputs gathered (its code needs all heads)"
-        )
+        layout.notes.append(f"{type(module).__name__}: attention inputs gathered (its code needs all heads)")
     return local
 
 
@@ -235,7 +235,8 @@ def _check_divisible(backbone: nn.Module, layout: TPLayout, tp_size: int) -> Non
         if size % (tp_size * placement.packed):
             raise TensorParallelError(
                 f"{name} has {size} {what} features, which cannot be split across "
-                f"tp_size={tp_size}" + (f" in {placement.packed} packed parts" if placement.packed > 1 else "")
+                f"tp_size={tp_size}"
+                + (f" in {placement.packed} packed parts" if placement.packed > 1 else "")
                 + "; choose a tp_size that divides it."
             )
 

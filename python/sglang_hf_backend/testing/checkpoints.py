@@ -53,8 +53,14 @@ TINY_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
     "llama-tied": _config("LlamaConfig", tie_word_embeddings=True),
     "llama-mqa": _config("LlamaConfig", num_key_value_heads=1),
     # mostly projection weights, to measure what each TP rank holds
-    "llama-wide": _config("LlamaConfig", hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
-                          num_attention_heads=8, num_key_value_heads=4),
+    "llama-wide": _config(
+        "LlamaConfig",
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    ),
     "qwen2": _config("Qwen2Config"),
     "qwen3": _config("Qwen3Config", head_dim=16),
     "mistral": _config("MistralConfig", sliding_window=4096),
@@ -96,8 +102,13 @@ INCOMPATIBLE_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
 # Encoders (non-causal attention), served by SGLang's native classes as embedding models.
 ENCODER_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
     "bert": lambda: transformers.BertConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=128, max_position_embeddings=512, pad_token_id=PAD_ID,
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        pad_token_id=PAD_ID,
         position_embedding_type="absolute",  # SGLang's native BERT reads this older field
     ),
 }
@@ -116,7 +127,10 @@ def build_checkpoint(name: str, out_dir: str | Path, tokenizer_dir: str | Path, 
         config = {**TINY_MODELS, **INCOMPATIBLE_MODELS}[name]()
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(
-        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        do_sample=False,
         use_cache=name not in REMOTE_MODELS,  # TinyLM keeps no KV cache
     )
     model.save_pretrained(out_dir)
@@ -151,23 +165,41 @@ def build_tokenizer(out_dir: str | Path) -> Path:
 # Random-weight checkpoints for benchmarks: real model shapes, no hub download.
 BENCH_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
     "llama-0.5b": lambda: transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=1536, intermediate_size=4096, num_hidden_layers=16,
-        num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=4096,
+        vocab_size=32000,
+        hidden_size=1536,
+        intermediate_size=4096,
+        num_hidden_layers=16,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
     ),
     "llama3.1-8b-shape": lambda: transformers.LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
     ),
     "qwen3-4b-shape": lambda: transformers.Qwen3Config(
-        vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=8192,
         tie_word_embeddings=True,
     ),
 }
 
 
-def build_random_checkpoint(make_config: Callable[[], PretrainedConfig], out_dir: str | Path, seed: int = 0) -> Path:
+def build_random_checkpoint(
+    make_config: Callable[[], PretrainedConfig], out_dir: str | Path, seed: int = 0
+) -> Path:
     """A bf16 random-weight checkpoint of ``make_config()``'s shape (built once, on GPU if any)."""
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists():

@@ -17,7 +17,9 @@ SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "mmlu.py"
 def run_script(out: Path, *extra: str) -> dict:
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--num-examples", "40", "--out", str(out), *extra],
-        capture_output=True, text=True, timeout=1200,
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     print(done.stdout)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
@@ -36,8 +38,19 @@ def test_ours_and_native_answer_alike(tmp_path):
 
 
 def test_running_server_is_scored_through_the_openai_api(tmp_path):
-    server = Server(["--model-path", str(smollm2_checkpoint()), "--impl", "transformers", "--dtype", "float32",
-                     "--max-total-tokens", "16384"], tmp_path / "server.log")
+    server = Server(
+        [
+            "--model-path",
+            str(smollm2_checkpoint()),
+            "--impl",
+            "transformers",
+            "--dtype",
+            "float32",
+            "--max-total-tokens",
+            "16384",
+        ],
+        tmp_path / "server.log",
+    )
     try:
         result = run_script(tmp_path / "out", "--server", server.url, "--num-examples", "8")
     finally:
@@ -50,7 +63,9 @@ def test_sample_is_seeded_and_shots_are_disjoint():
     questions = mmlu_questions()
     assert len(questions) == 14042  # the two stray CSV header rows are dropped
     first = mmlu.select(questions, 40, None, seed=0)
-    assert [q.question for q in first.questions] == [q.question for q in mmlu.select(questions, 40, None, 0).questions]
+    assert [q.question for q in first.questions] == [
+        q.question for q in mmlu.select(questions, 40, None, 0).questions
+    ]
     shot_texts = {q.question for pool in first.shots.values() for q in pool}
     assert not shot_texts & {q.question for q in first.questions}
     prompt = mmlu.format_prompt(first.questions[0], first.shots[first.questions[0].subject])

@@ -16,21 +16,40 @@ SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "rouge_parity.py"
 
 def run_script(model: str, impls: str, out: Path) -> tuple[subprocess.CompletedProcess, dict]:
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model", model, "--impl", impls, "--dtype", "float32", "--out", str(out)],
-        capture_output=True, text=True, timeout=1200,
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--model",
+            model,
+            "--impl",
+            impls,
+            "--dtype",
+            "float32",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     print(done.stdout)
     return done, json.loads(out.read_text())
 
 
-@pytest.mark.parametrize(("model", "impls"), [("smollm2", "hf,transformers,sglang"), ("llama", "hf,transformers,sglang"),
-                                              ("gpt_neox", "hf,transformers")])
+@pytest.mark.parametrize(
+    ("model", "impls"),
+    [
+        ("smollm2", "hf,transformers,sglang"),
+        ("llama", "hf,transformers"),
+        ("gpt_neox", "hf,transformers"),
+    ],
+)
 def test_parity_passes_at_fp32(checkpoint, tmp_path, model, impls):
     target = model if model == "smollm2" else str(checkpoint(model))
     done, report = run_script(target, impls, tmp_path / "report.json")
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert report["passed"]
-    for impl, rows in report["results"].items():
+    for rows in report["results"].values():
         assert len(rows) == 5  # four short prompts and one of ~1000 tokens
         assert max(r["prompt_tokens"] for r in rows) >= 900
         assert all(r["rouge_l"] == 1.0 for r in rows)

@@ -7,12 +7,9 @@ not inferred); and where SGLang has a native class, the native engine gives the 
 
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
-
 import pytest
 
-from helpers import hf_greedy, prompt_ids, running_engine
+from helpers import engine_case
 
 OURS = "sglang_hf_backend.models.TransformersForCausalLM"
 # architecture -> does SGLang 0.5.23 have a native class for it (on transformers 5.19)?
@@ -34,30 +31,9 @@ ARCHITECTURES = {
 NATIVE = [name for name, native in ARCHITECTURES.items() if native]
 
 
-@dataclasses.dataclass
-class Case:
-    """What our engine produced for one architecture (the engine is shut down again)."""
-
-    name: str
-    path: Path
-    ids: list[list[int]]
-    reference: list[list[int]]
-    batched: list[list[int]]
-    one_at_a_time: list[list[int]]
-    reports: list[dict]
-
-
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))
 def case(request, checkpoint):
-    name = request.param
-    trust = name == "remote"
-    path = checkpoint(name)
-    ids = prompt_ids(path, trust)
-    reference = hf_greedy(path, ids, trust)
-    with running_engine(path, impl="transformers", trust_remote_code=trust) as engine:
-        batched, single = engine.generate_ids(ids), engine.generate_each(ids)
-        reports = engine.load_reports()
-    return Case(name, path, ids, reference, batched, single, reports)
+    return engine_case(checkpoint, request.param)
 
 
 def test_served_by_our_class(case):
@@ -73,8 +49,8 @@ def test_one_at_a_time_matches_hf(case):
 
 
 @pytest.mark.parametrize("case", NATIVE, indirect=True)
-def test_matches_native(case):
-    with running_engine(case.path, model_impl="sglang") as native:
-        native_out = native.generate_ids(case.ids)
-        assert native.load_reports() == []  # SGLang's own class served it, not ours
-    assert native_out == case.batched
+def test_matches_native(case, checkpoint):
+    native = engine_case(checkpoint, case.name, impl="sglang")
+    assert native.reports == []  # SGLang's own class served it, not ours
+    assert native.batched == case.batched
+    assert native.one_at_a_time == case.one_at_a_time

@@ -7,11 +7,9 @@ holds only its shard: parameter bytes per rank at TP=2 are at most 0.6x of TP=1.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from helpers import hf_greedy, prompt_ids, running_engine
+from helpers import engine_case, running_engine
 from sglang_hf_backend.surgery.tensor_parallel import TensorParallelError
 
 # architecture -> where its layout comes from
@@ -27,26 +25,9 @@ ARCHITECTURES = {
 }
 
 
-@dataclasses.dataclass
-class Case:
-    name: str
-    reference: list[list[int]]
-    batched: list[list[int]]
-    one_at_a_time: list[list[int]]
-    reports: list[dict]
-
-
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))
 def case(request, checkpoint):
-    name = request.param
-    trust = name == "remote"
-    path = checkpoint(name)
-    ids = prompt_ids(path, trust)
-    reference = hf_greedy(path, ids, trust)
-    with running_engine(path, impl="transformers", tp_size=2, trust_remote_code=trust) as engine:
-        batched, single = engine.generate_ids(ids), engine.generate_each(ids)
-        reports = engine.load_reports()
-    return Case(name, reference, batched, single, reports)
+    return engine_case(checkpoint, request.param, tp_size=2)
 
 
 def test_tp2_batched_matches_hf(case):
@@ -64,7 +45,9 @@ def test_layout_source(case):
 
 def test_layout_shards_attention_and_mlp(case):
     layers = case.reports[0]["layers"].values()
-    assert any(kind.startswith(("ColumnParallelLinear", "QKVParallelLinear", "MergedColumn")) for kind in layers)
+    assert any(
+        kind.startswith(("ColumnParallelLinear", "QKVParallelLinear", "MergedColumn")) for kind in layers
+    )
     assert any(kind.startswith("RowParallelLinear") for kind in layers)
 
 
@@ -96,7 +79,9 @@ def test_gpt2_conv1d_layout_is_inferred(case):
 def test_indivisible_heads_fail_before_start(checkpoint):
     import sglang as sgl
 
-    with pytest.raises(TensorParallelError, match="4 attention heads, which cannot be split across tp_size=3"):
+    with pytest.raises(
+        TensorParallelError, match="4 attention heads, which cannot be split across tp_size=3"
+    ):
         sgl.Engine(model_path=str(checkpoint("llama")), impl="transformers", tp_size=3)
 
 
@@ -107,7 +92,9 @@ def test_weights_per_rank_shrink(checkpoint):
     with running_engine(path, impl="transformers", tp_size=2) as engine:
         tp2 = engine.load_reports()
     ratios = [r["weight_bytes"] / tp1["weight_bytes"] for r in tp2]
-    print(f"weight bytes per rank: tp1={tp1['weight_bytes']}, tp2={[r['weight_bytes'] for r in tp2]}, "
-          f"ratio={ratios}; RSS peak growth while loading: tp1={tp1['peak_rss_growth_bytes']}, "
-          f"tp2={[r['peak_rss_growth_bytes'] for r in tp2]}")
+    print(
+        f"weight bytes per rank: tp1={tp1['weight_bytes']}, tp2={[r['weight_bytes'] for r in tp2]}, "
+        f"ratio={ratios}; RSS peak growth while loading: tp1={tp1['peak_rss_growth_bytes']}, "
+        f"tp2={[r['peak_rss_growth_bytes'] for r in tp2]}"
+    )
     assert all(ratio <= 0.6 for ratio in ratios)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import logging
 import os
 from typing import Callable, ClassVar
 
@@ -26,8 +25,6 @@ from sglang_hf_backend.surgery.linear import Placement
 from sglang_hf_backend.surgery.tensor_parallel import TPLayout
 from sglang_hf_backend.surgery.trace import ModelTrace, ModuleTrace
 from sglang_hf_backend.weights import Route
-
-logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "SGLANG_HF_BACKEND_DISABLE_FUSIONS"
 
@@ -62,7 +59,9 @@ class Fuser(abc.ABC):
         """Look for the pattern in the class of ``instance``; raise RewriteError to explain a miss."""
 
     @abc.abstractmethod
-    def apply(self, root: nn.Module, name: str, instance: nn.Module, match: Match, quant_config) -> dict[str, Route]:
+    def apply(
+        self, root: nn.Module, name: str, instance: nn.Module, match: Match, quant_config
+    ) -> dict[str, Route]:
         """Fuse one instance (``name`` under ``root``); return checkpoint routes it needs."""
 
     def packed_names(self, match: Match) -> dict[str, list[str]]:

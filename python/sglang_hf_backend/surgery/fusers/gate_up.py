@@ -37,7 +37,11 @@ ACT_AND_MUL = "act_and_mul"
 ACTIVATIONS = {
     "silu": (F.silu, SiluAndMul, "SiluAndMul"),
     "gelu": (partial(F.gelu, approximate="none"), partial(GeluAndMul, approximate="none"), "GeluAndMul"),
-    "gelu_tanh": (partial(F.gelu, approximate="tanh"), partial(GeluAndMul, approximate="tanh"), "GeluAndMul(tanh)"),
+    "gelu_tanh": (
+        partial(F.gelu, approximate="tanh"),
+        partial(GeluAndMul, approximate="tanh"),
+        "GeluAndMul(tanh)",
+    ),
 }
 
 
@@ -70,10 +74,14 @@ class GateUpFuser(Fuser):
         if product is not None:
             node, gate, up, activation, argument = product
             fused_call = ast.Call(func=source.self_attribute(FUSED), args=[argument], keywords=[])
-            replace_node(source.function, node, ast.Call(source.self_attribute(ACT_AND_MUL), [fused_call], []))
+            replace_node(
+                source.function, node, ast.Call(source.self_attribute(ACT_AND_MUL), [fused_call], [])
+            )
             label = ACTIVATIONS[activation][2]
             description = f"{gate} + {up} -> {FUSED} (MergedColumnParallelLinear) + {label}"
-            return Match(self, type(instance), GateUpDetail(gate, up, activation), source.compile(), description)
+            return Match(
+                self, type(instance), GateUpDetail(gate, up, activation), source.compile(), description
+            )
         gate, up = roles.up
         fuse_projection_calls(source, [gate, up], FUSED, "split_sizes")
         description = f"{gate} + {up} -> {FUSED} (MergedColumnParallelLinear)"

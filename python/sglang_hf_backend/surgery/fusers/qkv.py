@@ -57,7 +57,9 @@ class QKVFuser(Fuser):
         if any(ctx.placement(trace.instance, n).gather_output for n in roles.inputs):
             raise RewriteError("its code needs all heads' q/k/v, so they stay gathered and unfused")
         call = trace.attention_calls()[0].attention
-        detail = QKVDetail(roles.q, roles.k, roles.v, call.num_heads, call.num_kv_heads, call.head_dim, call.v_head_dim)
+        detail = QKVDetail(
+            roles.q, roles.k, roles.v, call.num_heads, call.num_kv_heads, call.head_dim, call.v_head_dim
+        )
         if (q.out_features, k.out_features, v.out_features) != (
             detail.num_heads * detail.head_dim,
             detail.num_kv_heads * detail.head_dim,

@@ -27,9 +27,7 @@ class ResidualNormFuser(Fuser):
     name = "residual"
 
     def match(self, trace: ModuleTrace, instance: nn.Module, ctx: FusionContext) -> Match | None:
-        norms = {
-            name for name, child in instance.named_children() if type(child) in ctx.fused_norm_classes
-        }
+        norms = {name for name, child in instance.named_children() if type(child) in ctx.fused_norm_classes}
         if not norms:
             return None
         source = ForwardSource(type(instance))
@@ -78,7 +76,12 @@ def _add_then_norm(source: ForwardSource, statements: list[ast.stmt], norms: set
     if normalise.targets[0].id != hidden:
         return None
     norm = next((n for n in norms if source.is_child_call(call, n)), None)
-    if norm is None or len(call.args) != 1 or not isinstance(call.args[0], ast.Name) or call.args[0].id != hidden:
+    if (
+        norm is None
+        or len(call.args) != 1
+        or not isinstance(call.args[0], ast.Name)
+        or call.args[0].id != hidden
+    ):
         return None
     return norm
 
@@ -89,5 +92,7 @@ def _fused_statement(source: ForwardSource, norm: str, hidden: str, residual: st
         args=[ast.Name(id=hidden, ctx=ast.Load()), ast.Name(id=residual, ctx=ast.Load())],
         keywords=[],
     )
-    targets = ast.Tuple(elts=[ast.Name(id=hidden, ctx=ast.Store()), ast.Name(id=residual, ctx=ast.Store())], ctx=ast.Store())
+    targets = ast.Tuple(
+        elts=[ast.Name(id=hidden, ctx=ast.Store()), ast.Name(id=residual, ctx=ast.Store())], ctx=ast.Store()
+    )
     return ast.Assign(targets=[targets], value=call)

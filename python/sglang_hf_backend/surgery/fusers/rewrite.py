@@ -43,7 +43,11 @@ class ForwardSource:
         self.globals = inspect.unwrap(function).__globals__
         self.self_name = self.function.args.args[0].arg
         for node in ast.walk(self.function):
-            if isinstance(node, ast.Attribute) and node.attr.startswith("__") and not node.attr.endswith("__"):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("__")
+                and not node.attr.endswith("__")
+            ):
                 raise RewriteError(f"{cls.__name__}.forward uses a name-mangled attribute")
 
     def copy(self) -> "ForwardSource":

@@ -78,7 +78,9 @@ class TinyLMAttention(nn.Module):
         k = rope(k, position_ids, self.config.rope_theta)
         attention = eager_attention
         if self.config.use_attention_interface:
-            attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention)
+            attention = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention
+            )
         # Unpadded, causal batches only: no mask is built (sdpa and ours mask causally).
         out, _ = attention(self, q, k, v, None, scaling=self.scaling, **kwargs)
         return self.wo(out.reshape(*hidden_states.shape[:-1], -1))
@@ -159,7 +161,9 @@ class TinyLMForCausalLM(TinyLMPreTrainedModel, GenerationMixin):
         return self.lm_head
 
     def forward(self, input_ids=None, position_ids=None, attention_mask=None, inputs_embeds=None, **kwargs):
-        outputs = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids, **kwargs)
+        outputs = self.model(
+            input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids, **kwargs
+        )
         return CausalLMOutputWithPast(logits=self.lm_head(outputs.last_hidden_state))
 
 
