@@ -11,6 +11,7 @@ Implementations:
            (SGLANG_PLUGINS keeps only our CPU platform, which a CPU-only machine needs)
   ours     sgl.Engine(model_impl="transformers") with sglang_hf_backend
   hf       plain transformers generate, one static batch (what a CPU user would run)
+An SGLang implementation may name an attention backend: ``ours+torch_native``.
 
 Workloads (per implementation process): engine start-up time and peak RSS, offline
 throughput (N prompts, ignore_eos), batch-1 decode latency; and a serving run against
@@ -117,6 +118,14 @@ def prompt_ids(count: int, length: int, vocab: int, seed: int) -> list[list[int]
     return [[rng.randrange(100, vocab - 1) for _ in range(length)] for _ in range(count)]
 
 
+def split_impl(spec: str) -> tuple[str, dict]:
+    """``ours+torch_native`` -> ("ours", {"attention_backend": "torch_native"})."""
+    impl, _, backend = spec.partition("+")
+    if impl not in IMPLS or (backend and impl == "hf"):
+        raise SystemExit(f"unknown implementation {spec!r}; use {IMPLS}, optionally +<attention backend>")
+    return impl, ({"attention_backend": backend} if backend else {})
+
+
 # -- measuring one implementation (runs in a fresh process) ------------------------------
 class PeakRss:
     """Peak resident memory of this process and its children, sampled in a thread."""
@@ -151,10 +160,11 @@ class PeakRss:
         return max(self.peak, self._total())
 
 
-def measure_engine(impl: str, path: str, case: ModelCase, seed: int) -> dict:
+def measure_engine(spec: str, path: str, case: ModelCase, seed: int) -> dict:
     import sglang as sgl
     from transformers import AutoConfig
 
+    impl, overrides = split_impl(spec)
     vocab = AutoConfig.from_pretrained(path).get_text_config().vocab_size
     w = case.workload
     rss = PeakRss()
@@ -165,7 +175,7 @@ def measure_engine(impl: str, path: str, case: ModelCase, seed: int) -> dict:
         dtype=case.dtype,
         skip_tokenizer_init=True,
         log_level="error",
-        **case.engine_args,
+        **{**case.engine_args, **overrides},
     )
     result = {"startup_s": time.perf_counter() - started}
     try:
@@ -249,11 +259,12 @@ def measure_hf(path: str, case: ModelCase, seed: int) -> dict:
     return result
 
 
-def measure_serving(impl: str, path: str, case: ModelCase, seed: int) -> dict:
+def measure_serving(spec: str, path: str, case: ModelCase, seed: int) -> dict:
     """launch_server + a streaming client at fixed concurrency (bench_serving-style metrics)."""
     import requests
     from transformers import AutoConfig
 
+    impl, overrides = split_impl(spec)
     vocab = AutoConfig.from_pretrained(path).get_text_config().vocab_size
     w = case.workload
     port = _free_port()
@@ -275,9 +286,9 @@ def measure_serving(impl: str, path: str, case: ModelCase, seed: int) -> dict:
         "--model-impl",
         "sglang" if impl == "native" else "transformers",
     ]
-    for key, value in case.engine_args.items():
+    for key, value in {**case.engine_args, **overrides}.items():
         args += [f"--{key.replace('_', '-')}", str(value)]
-    server = subprocess.Popen(args, env=_impl_env(impl), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(args, env=_impl_env(spec), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 600
@@ -343,9 +354,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _impl_env(impl: str) -> dict:
+def _impl_env(spec: str) -> dict:
     env = dict(os.environ)
-    if impl == "builtin":
+    if split_impl(spec)[0] == "builtin":
         env["SGLANG_PLUGINS"] = CPU_PLATFORM_ONLY
     return env
 
@@ -452,7 +463,7 @@ def chart(summary: dict, impls: list[str], path: Path) -> None:
         and any(key in by_impl.get(i, {}) for i in impls)
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
-    colors = {"native": "#4c72b0", "builtin": "#dd8452", "ours": "#55a868", "hf": "#8172b3"}
+    palette = {"native": "#4c72b0", "builtin": "#dd8452", "ours": "#55a868", "hf": "#8172b3"}
     for ax, (model, key, label) in zip(axes[0], panels):
         names, medians, low, high = [], [], [], []
         for impl in impls:
@@ -462,7 +473,8 @@ def chart(summary: dict, impls: list[str], path: Path) -> None:
                 medians.append(stat["median"])
                 low.append(stat["median"] - stat["min"])
                 high.append(stat["max"] - stat["median"])
-        ax.bar(names, medians, yerr=[low, high], color=[colors[n] for n in names], capsize=4)
+        colors = [palette.get(n, "#937860") for n in names]
+        ax.bar(names, medians, yerr=[low, high], color=colors, capsize=4)
         ax.set_title(f"{model}\n{label}", fontsize=9)
         ax.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
@@ -490,7 +502,7 @@ def main() -> None:
         case = ModelCase(**{**raw, "workload": Workload(**raw["workload"])})
         if args.worker == "serving":
             metrics = measure_serving(args.impl, args.path, case, args.seed)
-        elif args.impl == "hf":
+        elif split_impl(args.impl)[0] == "hf":
             metrics = measure_hf(args.path, case, args.seed)
         else:
             metrics = measure_engine(args.impl, args.path, case, args.seed)
@@ -498,6 +510,8 @@ def main() -> None:
         return
 
     impls = args.impls.split(",")
+    for spec in impls:
+        split_impl(spec)  # unknown names fail before anything runs
     cases = [c for c in PRESETS[args.preset] if not args.models or c.name in args.models.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -508,7 +522,8 @@ def main() -> None:
         for round_index in range(args.rounds):
             for impl in impls:  # interleaved: A B C D, A B C D, ...
                 metrics = run_worker("engine", impl, path, case, seed=round_index)
-                if case.serving and not args.no_serving and impl in SGLANG_IMPLS and "error" not in metrics:
+                serves = split_impl(impl)[0] in SGLANG_IMPLS
+                if case.serving and not args.no_serving and serves and "error" not in metrics:
                     metrics.update(run_worker("serving", impl, path, case, seed=round_index))
                 results.append({"model": case.name, "impl": impl, "round": round_index, "metrics": metrics})
                 print(json.dumps(results[-1]), flush=True)
