@@ -11,7 +11,8 @@ Implementations:
            (SGLANG_PLUGINS keeps only our CPU platform, which a CPU-only machine needs)
   ours     sgl.Engine(model_impl="transformers") with sglang_hf_backend
   hf       plain transformers generate, one static batch (what a CPU user would run)
-An SGLang implementation may name an attention backend: ``ours+torch_native``.
+An SGLang implementation may name an attention backend and/or ask for torch.compile:
+``ours+torch_native``, ``ours+compile`` (its compile time shows as ``warmup_s``).
 
 Workloads (per implementation process): engine start-up time and peak RSS, offline
 throughput (N prompts, ignore_eos), batch-1 decode latency; and a serving run against
@@ -119,11 +120,19 @@ def prompt_ids(count: int, length: int, vocab: int, seed: int) -> list[list[int]
 
 
 def split_impl(spec: str) -> tuple[str, dict]:
-    """``ours+torch_native`` -> ("ours", {"attention_backend": "torch_native"})."""
-    impl, _, backend = spec.partition("+")
-    if impl not in IMPLS or (backend and impl == "hf"):
-        raise SystemExit(f"unknown implementation {spec!r}; use {IMPLS}, optionally +<attention backend>")
-    return impl, ({"attention_backend": backend} if backend else {})
+    """``ours+torch_native+compile`` -> ("ours", {"attention_backend": "torch_native", ...})."""
+    impl, *options = spec.split("+")
+    if impl not in IMPLS or (options and impl == "hf"):
+        raise SystemExit(
+            f"unknown implementation {spec!r}; use {IMPLS}, optionally +<attention backend> and/or +compile"
+        )
+    overrides = {}
+    for option in options:
+        if option == "compile":
+            overrides["enable_torch_compile"] = True
+        else:
+            overrides["attention_backend"] = option
+    return impl, overrides
 
 
 # -- measuring one implementation (runs in a fresh process) ------------------------------
@@ -179,7 +188,13 @@ def measure_engine(spec: str, path: str, case: ModelCase, seed: int) -> dict:
     )
     result = {"startup_s": time.perf_counter() - started}
     try:
-        engine.generate(input_ids=prompt_ids(2, 16, vocab, seed + 99), sampling_params={"max_new_tokens": 4})
+        # Warm-up covers both shape classes a compiled model specialises on: 1 token and many.
+        started = time.perf_counter()
+        for batch in (2, 1):
+            engine.generate(
+                input_ids=prompt_ids(batch, 16, vocab, seed + 99), sampling_params={"max_new_tokens": 4}
+            )
+        result["warmup_s"] = time.perf_counter() - started
         ids = prompt_ids(w.prompts, w.input_len, vocab, seed)
         sampling = {"temperature": 0.0, "max_new_tokens": w.output_len, "ignore_eos": True}
         started = time.perf_counter()
@@ -417,6 +432,7 @@ METRICS = [
     ("tpot_ms_median", "TPOT ms", False),
     ("itl_ms_median", "ITL ms", False),
     ("startup_s", "start-up s", False),
+    ("warmup_s", "warm-up (compile) s", False),
     ("peak_rss_mb", "peak RSS MB", False),
 ]
 

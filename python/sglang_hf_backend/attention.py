@@ -48,13 +48,23 @@ def hf_attention_forward(
         output = query.new_empty(batch, tokens, heads, value.shape[-1])
         tracer.record_attention(module, query, key, value, settings, output)
         return output, None
+    return attend(module, query, key, value, forward_batch), None
+
+
+@torch.compiler.disable
+def attend(module: nn.Module, query, key, value, forward_batch) -> torch.Tensor:
+    """One RadixAttention call: KV cache write and paged attention.
+
+    Kept out of torch.compile graphs (see compilation.py): the KV pool, the batch's
+    index tensors and the backend's Python dispatch change every step.
+    """
     attn = getattr(module, RADIX_ATTRIBUTE)
     q = _local_heads(query, attn.tp_q_head_num)
     k = _local_heads(key, attn.tp_k_head_num)
     v = _local_heads(value, attn.tp_v_head_num)
     tokens = q.shape[0]
     out = attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1), forward_batch)
-    return out.view(1, tokens, attn.tp_q_head_num, attn.v_head_dim), None
+    return out.view(1, tokens, attn.tp_q_head_num, attn.v_head_dim)
 
 
 def _local_heads(x: torch.Tensor, local: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
-from sglang_hf_backend.platform import CPU_ATTENTION_BACKEND
+from sglang_hf_backend.platform import CPU_ATTENTION_BACKEND, CPU_GRAPH_REFUSAL
 
 _SUPPORTED_MODES = {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.IDLE}
 
@@ -70,6 +70,10 @@ class CpuSdpaAttnBackend(AttentionBackend):
                 f"{CPU_ATTENTION_BACKEND} does not serve hybrid sliding-window KV pools; "
                 "use --attention-backend torch_native for this model."
             )
+
+    def init_cpu_graph_state(self, max_bs: int, max_num_token: int) -> None:
+        """SGLang's CPU graph runner (``--enable-torch-compile`` on a native model) lands here."""
+        raise ValueError(CPU_GRAPH_REFUSAL)
 
     # -- per-batch layout ---------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:

@@ -86,6 +86,15 @@ def install_cpu_kernel_fallbacks() -> None:
     )
 
 
+# --enable-torch-compile on a native model starts SGLang's CPU graph runner, which needs an
+# attention backend that keeps CPU-graph state (intel_amx with sgl-kernel).
+CPU_GRAPH_REFUSAL = (
+    f"--attention-backend {CPU_ATTENTION_BACKEND} does not support SGLang's CPU graph capture, which "
+    "--enable-torch-compile starts for native models. Serve with --impl transformers "
+    "(sglang_hf_backend compiles the decoder layers itself), or drop --enable-torch-compile."
+)
+
+
 class HFBackendCpuPlatform(CpuDeviceMixin, SRTPlatform):
     """SGLang on a CPU-only machine, through the out-of-tree platform seam."""
 
@@ -123,6 +132,9 @@ class HFBackendCpuPlatform(CpuDeviceMixin, SRTPlatform):
         """
         if server_args.attention_backend in (None, "intel_amx") and not _cpu_kernels_installed():
             server_args.attention_backend = CPU_ATTENTION_BACKEND
+        uses_cpu_graphs = server_args.enable_torch_compile and server_args.model_impl == "sglang"
+        if uses_cpu_graphs and server_args.attention_backend == CPU_ATTENTION_BACKEND:
+            raise ValueError(CPU_GRAPH_REFUSAL)
 
 
 def _cpu_kernels_installed() -> bool:

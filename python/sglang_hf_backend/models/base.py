@@ -4,7 +4,8 @@ Construction, in order:
 1. analyse the model (models/analysis.py): HF class, meta build, dataflow trace, TP layout;
 2. swap linears and the token embedding for SGLang's parallel layers;
 3. give every attention module a RadixAttention with its per-layer settings;
-4. materialise the parameters HF keeps (norms) on the real device.
+4. materialise the parameters HF keeps (norms) on the real device;
+5. on CPU with ``--enable-torch-compile``, compile the decoder layers (compilation.py).
 Capability mixins (causal LM head, ...) add their parts on top.
 """
 
@@ -21,7 +22,7 @@ from sglang.srt.utils import get_device
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from sglang_hf_backend import compat, diagnostics, quantization
+from sglang_hf_backend import compat, compilation, diagnostics, quantization
 from sglang_hf_backend.attention import (
     attach_radix_attention,
     check_kv_cache_layout,
@@ -78,6 +79,9 @@ class TransformersBase(nn.Module):
         self.checkpoint_names = CheckpointNames.of(hf_model)
         self.add_capabilities(hf_model)
         self.log_decisions()
+        self.compiled_layers = (
+            compilation.compile_decoder_layers(backbone) if compilation.wanted(get_device()) else 0
+        )
 
     def log_decisions(self) -> None:
         diagnostics.decision("serving %s with %s", self.hf_class_name, type(self).__name__)
@@ -160,6 +164,7 @@ class TransformersBase(nn.Module):
             "tp_source": self.tp_layout.source,
             "layers": diagnostics.describe_layers(self.backbone),
             "fusions": self.fusions.log_lines(self.hf_class_name),
+            "compiled_layers": self.compiled_layers,
         }
 
     def expected_checkpoint_keys(self) -> set[str]:
