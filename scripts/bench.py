@@ -302,22 +302,33 @@ def measure_serving(spec: str, path: str, case: ModelCase, seed: int) -> dict:
         "sglang" if impl == "native" else "transformers",
     ]
     for key, value in {**case.engine_args, **overrides}.items():
-        args += [f"--{key.replace('_', '-')}", str(value)]
-    server = subprocess.Popen(args, env=_impl_env(spec), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        flag = f"--{key.replace('_', '-')}"
+        args += [flag] if value is True else [flag, str(value)]
+    log = tempfile.TemporaryFile()
+    server = subprocess.Popen(args, env=_impl_env(spec), stdout=subprocess.DEVNULL, stderr=log)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                time.sleep(1)
+        _wait_until_healthy(server, log, url, requests)
         ids = prompt_ids(w.serving_prompts, w.input_len, vocab, seed)
         return asyncio.run(_serve_requests(url, ids, w))
     finally:
         server.terminate()
         server.wait(timeout=120)
+        log.close()
+
+
+def _wait_until_healthy(server: subprocess.Popen, log, url: str, requests, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"server exited with {server.returncode}: {log.read().decode()[-2000:]}")
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            time.sleep(1)
+    raise TimeoutError(f"server not healthy after {timeout:.0f} s")
 
 
 async def _serve_requests(url: str, ids: list[list[int]], w: Workload) -> dict:
@@ -492,7 +503,8 @@ def chart(summary: dict, impls: list[str], path: Path) -> None:
         colors = [palette.get(n, "#937860") for n in names]
         ax.bar(names, medians, yerr=[low, high], color=colors, capsize=4)
         ax.set_title(f"{model}\n{label}", fontsize=9)
-        ax.tick_params(axis="x", labelsize=8)
+        ax.tick_params(axis="x", labelsize=8, labelrotation=30)
+        plt.setp(ax.get_xticklabels(), ha="right", rotation_mode="anchor")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

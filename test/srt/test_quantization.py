@@ -112,25 +112,27 @@ def test_tp2_quantizes_each_shard(checkpoint):
     assert score >= 0.95
 
 
-def test_unknown_config_lists_the_valid_ones(checkpoint):
-    with pytest.raises(
-        TorchaoConfigError, match="Unknown torchao config 'int3wo'; valid names: int8wo, int8dq"
-    ):
-        sgl.Engine(model_path=str(checkpoint("llama")), impl="transformers", torchao_config="int3wo")
+REFUSALS = {
+    "unknown name lists the valid ones": (
+        "transformers",
+        "int3wo",
+        "Unknown torchao config 'int3wo'; valid names: int8wo, int8dq",
+    ),
+    "config the device cannot run": (
+        "transformers",
+        "fp8dq-per_row",
+        "'fp8dq-per_row' cannot run on this device \\(cpu",
+    ),
+    "group size must divide each shard": (
+        "transformers",
+        "int4wo-128",
+        "group size 128 does not divide the 64 input features of layers.0",
+    ),
+    "needs the transformers implementation": ("sglang", "int8wo", "pass impl='transformers'"),
+}
 
 
-def test_config_the_device_cannot_run(checkpoint):
-    with pytest.raises(TorchaoConfigError, match="'fp8dq-per_row' cannot run on this device \\(cpu"):
-        sgl.Engine(model_path=str(checkpoint("llama")), impl="transformers", torchao_config="fp8dq-per_row")
-
-
-def test_group_size_must_divide_each_shard(checkpoint):
-    with pytest.raises(
-        TorchaoConfigError, match="group size 128 does not divide the 64 input features of layers.0"
-    ):
-        sgl.Engine(model_path=str(checkpoint("llama")), impl="transformers", torchao_config="int4wo-128")
-
-
-def test_needs_the_transformers_implementation(checkpoint):
-    with pytest.raises(TorchaoConfigError, match="pass impl='transformers'"):
-        sgl.Engine(model_path=str(checkpoint("llama")), model_impl="sglang", torchao_config="int8wo")
+@pytest.mark.parametrize("model_impl, config, message", REFUSALS.values(), ids=list(REFUSALS))
+def test_refused_before_start(checkpoint, model_impl, config, message):
+    with pytest.raises(TorchaoConfigError, match=message):
+        sgl.Engine(model_path=str(checkpoint("llama")), model_impl=model_impl, torchao_config=config)
