@@ -15,8 +15,9 @@ An SGLang implementation may name an attention backend and/or ask for torch.comp
 ``ours+torch_native``, ``ours+compile`` (its compile time shows as ``warmup_s``).
 
 Workloads (per implementation process): engine start-up time and peak RSS, offline
-throughput (N prompts, ignore_eos), batch-1 decode latency; and a serving run against
-``launch_server`` at fixed concurrency (TTFT, TPOT, ITL) for the SGLang implementations.
+throughput (N prompts, ignore_eos) and its full-batch decode step, batch-1 decode latency;
+and a serving run against ``launch_server`` at fixed concurrency (TTFT, TPOT, ITL) for the
+SGLang implementations.
 
 Usage:
   python scripts/bench.py --preset cpu [--models smollm2] [--rounds 3] [--out out/bench]
@@ -195,18 +196,34 @@ def measure_engine(spec: str, path: str, case: ModelCase, seed: int) -> dict:
                 input_ids=prompt_ids(batch, 16, vocab, seed + 99), sampling_params={"max_new_tokens": 4}
             )
         result["warmup_s"] = time.perf_counter() - started
-        ids = prompt_ids(w.prompts, w.input_len, vocab, seed)
-        sampling = {"temperature": 0.0, "max_new_tokens": w.output_len, "ignore_eos": True}
-        started = time.perf_counter()
-        engine.generate(input_ids=ids, sampling_params=sampling)
-        elapsed = time.perf_counter() - started
-        result["offline_output_tok_s"] = w.prompts * w.output_len / elapsed
-        result["offline_total_tok_s"] = w.prompts * (w.input_len + w.output_len) / elapsed
+
+        def offline(ids, new_tokens):
+            sampling = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
+            engine.generate(input_ids=ids, sampling_params=sampling)
+
+        result.update(_offline_metrics(offline, vocab, w, seed))
         result["latency_ms_per_token"] = _engine_latency(engine, vocab, w, seed)
     finally:
         engine.shutdown()
     result["peak_rss_mb"] = rss.stop() / 2**20
     return result
+
+
+def _offline_metrics(generate, vocab: int, w: Workload, seed: int) -> dict:
+    """Offline throughput of one batch, and its decode step: the same batch shape run
+    prefill-only (fresh prompts, so no radix-cache hit) is subtracted, leaving the
+    ``output_len - 1`` decode steps at full batch size."""
+    started = time.perf_counter()
+    generate(prompt_ids(w.prompts, w.input_len, vocab, seed), w.output_len)
+    elapsed = time.perf_counter() - started
+    started = time.perf_counter()
+    generate(prompt_ids(w.prompts, w.input_len, vocab, seed + 500), 1)
+    prefill = time.perf_counter() - started
+    return {
+        "offline_output_tok_s": w.prompts * w.output_len / elapsed,
+        "offline_total_tok_s": w.prompts * (w.input_len + w.output_len) / elapsed,
+        "decode_step_ms": (elapsed - prefill) / (w.output_len - 1) * 1000,
+    }
 
 
 def _engine_latency(engine, vocab: int, w: Workload, seed: int) -> float:
@@ -255,11 +272,7 @@ def measure_hf(path: str, case: ModelCase, seed: int) -> dict:
             torch.cuda.synchronize()
 
     generate(prompt_ids(2, 16, vocab, seed + 99), 4)
-    started = time.perf_counter()
-    generate(prompt_ids(w.prompts, w.input_len, vocab, seed), w.output_len)
-    elapsed = time.perf_counter() - started
-    result["offline_output_tok_s"] = w.prompts * w.output_len / elapsed
-    result["offline_total_tok_s"] = w.prompts * (w.input_len + w.output_len) / elapsed
+    result.update(_offline_metrics(generate, vocab, w, seed))
     samples = []
     for i in range(3):
         ids = prompt_ids(1, w.latency_input_len, vocab, seed + 1000 + i)
@@ -437,6 +450,7 @@ def summarise(results: list[dict]) -> dict:
 
 METRICS = [
     ("offline_output_tok_s", "offline output tok/s", True),
+    ("decode_step_ms", "full-batch decode step ms", False),
     ("latency_ms_per_token", "batch-1 ms/token", False),
     ("serving_output_tok_s", "serving output tok/s", True),
     ("ttft_ms_median", "TTFT ms", False),

@@ -72,13 +72,13 @@ def main() -> int:
     prompts = [mmlu.format_prompt(q, selection.shots[q.subject][: args.shots]) for q in questions]
     print(f"{len(questions)} questions, {args.shots}-shot, seed {args.seed}")
 
-    letters_by_impl: dict[str, list[str]] = {}
+    rows_by_impl: dict[str, list[list[float]]] = {}
     if args.server:
         runner = ServerRunner(args.server)
         rows = []
         for start in tqdm(range(0, len(prompts), args.batch_size), desc="server"):
             rows += runner.next_token_logprobs(prompts[start : start + args.batch_size], mmlu.LETTERS)
-        letters_by_impl["server"] = mmlu.predicted_letters(rows)
+        rows_by_impl["server"] = rows
     else:
         from transformers import AutoTokenizer
 
@@ -95,8 +95,10 @@ def main() -> int:
                     rows += runner.next_token_logprobs(ids[start : start + args.batch_size], candidates)
             finally:
                 runner.close()
-            letters_by_impl[impl] = mmlu.predicted_letters(rows)
+            rows_by_impl[impl] = rows
 
+    letters_by_impl = {impl: mmlu.predicted_letters(rows) for impl, rows in rows_by_impl.items()}
+    logprob_diffs = mmlu.letter_logprob_diffs(rows_by_impl)
     scores = {impl: mmlu.accuracy(questions, letters) for impl, letters in letters_by_impl.items()}
     differing = [
         {
@@ -108,7 +110,7 @@ def main() -> int:
         for i, q in enumerate(questions)
         if len({letters[i] for letters in letters_by_impl.values()}) > 1
     ]
-    markdown = mmlu.markdown_report(scores, differing)
+    markdown = mmlu.markdown_report(scores, differing, logprob_diffs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "mmlu.json").write_text(
@@ -119,6 +121,7 @@ def main() -> int:
                 "seed": args.seed,
                 "scores": scores,
                 "answers": letters_by_impl,
+                "letter_logprob_diff": logprob_diffs,
                 "differing": differing,
             },
             indent=1,
@@ -128,6 +131,10 @@ def main() -> int:
     (out / "mmlu.html").write_text(mmlu.html_report(markdown))
     for impl, score in scores.items():
         print(f"{impl}: accuracy {score['overall']:.4f} over {score['num_questions']} questions")
+    for impl, diff in logprob_diffs.items():
+        print(
+            f"{impl} vs {diff['against']}: letter logprobs max |diff| {diff['max']:.2e}, mean {diff['mean']:.2e}"
+        )
     print(f"{len(differing)} question(s) answered differently; reports in {out}")
     return 0
 

@@ -7,9 +7,9 @@ each layer then does one ``index_select`` of its K/V from the paged pool and one
 attention call over the whole batch, with grouped-query attention done without copying
 K/V per query head. Decode, prefill with radix-cache prefixes, chunked prefill and mixed
 batches all reduce to "new tokens at known positions attending to cached tokens".
-Decode (and any soft-capped layer) uses batched grouped matmuls; longer prefills use
-torch's CPU flash-attention kernel. Sliding windows and logit soft-capping are applied
-the way HF's eager attention does.
+Attention itself is torch's CPU flash-attention kernel (SDPA) for decode and prefill
+alike; soft-capped layers, which SDPA cannot express, use batched grouped matmuls.
+Sliding windows and logit soft-capping are applied the way HF's eager attention does.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ class CpuSdpaAttnBackend(AttentionBackend):
         causal = layer.attn_type != AttentionType.ENCODER_ONLY
         mask = layout.mask(causal, layer.sliding_window_size)
         softcap = layer.logit_cap if layer.logit_cap and layer.logit_cap > 0 else None
-        if width == 1 or softcap is not None:
+        if softcap is not None:
             out = grouped_attention(query, keys, values, mask, layer.scaling, softcap)
         else:
             out = F.scaled_dot_product_attention(
@@ -177,9 +177,10 @@ _MAX_SCORES = 1 << 26
 def grouped_attention(query, keys, values, mask, scaling: float, softcap: float | None) -> torch.Tensor:
     """Eager attention with query heads grouped by the KV head they share (GQA without copies).
 
-    Decode runs here: for one query token per request, batched small matmuls beat the
-    CPU flash-attention kernel by an order of magnitude. Soft-capping is applied as HF's
-    eager attention does, ``softcap * tanh(scores / softcap)`` before masking.
+    For soft-capped layers only: SDPA has no soft-cap, and elsewhere it is faster (bf16
+    decode, 32 requests x 256 cached tokens, 9/3 heads: 0.59 vs 1.15 ms per layer here).
+    Soft-capping is applied as HF's eager attention does, ``softcap * tanh(scores /
+    softcap)`` before masking.
     """
     batch, heads, width, dim = query.shape
     kv_heads, length = keys.shape[1], keys.shape[2]

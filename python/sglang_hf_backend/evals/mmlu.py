@@ -83,7 +83,23 @@ def accuracy(questions: list[MmluQuestion], letters: list[str]) -> dict:
     }
 
 
-def markdown_report(scores: dict[str, dict], differing: list[dict]) -> str:
+def letter_logprob_diffs(rows_by_impl: dict[str, list[list[float]]]) -> dict[str, dict]:
+    """Max and mean |logprob difference| over all questions and letters, against the first
+    implementation listed. Same letters can hide drift (a small model that nearly always
+    picks one letter agrees trivially); the logprobs themselves cannot."""
+    reference, *others = rows_by_impl
+    diffs = {}
+    for impl in others:
+        values = [
+            abs(a - b)
+            for ref_row, row in zip(rows_by_impl[reference], rows_by_impl[impl])
+            for a, b in zip(ref_row, row)
+        ]
+        diffs[impl] = {"against": reference, "max": max(values), "mean": sum(values) / len(values)}
+    return diffs
+
+
+def markdown_report(scores: dict[str, dict], differing: list[dict], logprob_diffs: dict[str, dict]) -> str:
     impls = list(scores)
     lines = ["| subject | " + " | ".join(impls) + " |", "|---|" + "---|" * len(impls)]
     lines.append("| **overall** | " + " | ".join(f"**{scores[i]['overall']:.3f}**" for i in impls) + " |")
@@ -93,6 +109,11 @@ def markdown_report(scores: dict[str, dict], differing: list[dict]) -> str:
             f"| {subject} | " + " | ".join(f"{scores[i]['subjects'][subject]:.3f}" for i in impls) + " |"
         )
     lines.append("")
+    for impl, diff in logprob_diffs.items():
+        lines.append(
+            f"Letter logprobs of {impl} vs {diff['against']}: max |diff| {diff['max']:.2e}, "
+            f"mean {diff['mean']:.2e}."
+        )
     lines.append(f"{len(differing)} question(s) answered differently across implementations.")
     lines += [f"- {d['subject']}: {d['question'][:80]!r} -> {d['answers']}" for d in differing[:50]]
     return "\n".join(lines) + "\n"

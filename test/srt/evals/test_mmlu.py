@@ -9,7 +9,7 @@ from pathlib import Path
 
 from helpers import Server
 from sglang_hf_backend.assets import mmlu_questions, smollm2_checkpoint
-from sglang_hf_backend.evals import mmlu
+from sglang_hf_backend.evals import mmlu, rouge
 
 SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "mmlu.py"
 
@@ -33,6 +33,9 @@ def test_ours_and_native_answer_alike(tmp_path):
     assert answers["transformers"] == answers["sglang"]
     assert result["differing"] == []
     assert result["scores"]["transformers"]["overall"] == result["scores"]["sglang"]["overall"]
+    diff = result["letter_logprob_diff"]["sglang"]
+    assert diff["against"] == "transformers"
+    assert diff["max"] < rouge.DEFAULT_LOGPROB_THRESHOLD  # fp32: the logprobs agree, not just the argmax
     assert (tmp_path / "mmlu.md").read_text().startswith("| subject | transformers | sglang |")
     assert (tmp_path / "mmlu.html").exists()
 
