@@ -466,6 +466,15 @@ METRICS = [
 ]
 
 
+CHART_METRICS = (
+    "offline_output_tok_s",
+    "decode_step_ms",
+    "latency_ms_per_token",
+    "serving_output_tok_s",
+    "ttft_ms_median",
+)
+
+
 def markdown(summary: dict, impls: list[str]) -> str:
     lines = []
     for model, by_impl in summary.items():
@@ -504,8 +513,7 @@ def chart(summary: dict, impls: list[str], path: Path) -> None:
         (model, key, label)
         for model, by_impl in summary.items()
         for key, label, _ in METRICS
-        if key in ("offline_output_tok_s", "latency_ms_per_token", "serving_output_tok_s", "ttft_ms_median")
-        and any(key in by_impl.get(i, {}) for i in impls)
+        if key in CHART_METRICS and any(key in by_impl.get(i, {}) for i in impls)
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
     palette = {"native": "#4c72b0", "builtin": "#dd8452", "ours": "#55a868", "hf": "#8172b3"}
