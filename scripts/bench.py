@@ -213,8 +213,8 @@ def _offline_metrics(generate, vocab: int, w: Workload, seed: int) -> dict:
     """Offline throughput of one batch, and its decode step.
 
     An untimed prefill of the full batch shape comes first: the first large batch of a
-    process pays a one-time cost (about 1.5 s here, memory the allocator maps for the
-    first time) that would bias whichever timed run met it. Then the batch shape runs
+    process pays a one-time cost (about 1.5 s here) that would bias whichever timed run
+    met it. Then the batch shape runs
     prefill-only, timed; subtracted from the full run's time it leaves the
     ``output_len - 1`` decode steps at full batch size. All prompts differ, so no run
     hits the radix cache.
