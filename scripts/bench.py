@@ -214,10 +214,9 @@ def _offline_metrics(generate, vocab: int, w: Workload, seed: int) -> dict:
 
     An untimed prefill of the full batch shape comes first: the first large batch of a
     process pays a one-time cost (about 1.5 s here) that would bias whichever timed run
-    met it. Then the batch shape runs
-    prefill-only, timed; subtracted from the full run's time it leaves the
-    ``output_len - 1`` decode steps at full batch size. All prompts differ, so no run
-    hits the radix cache.
+    met it. Then the batch shape runs prefill-only, timed; subtracted from the full run's
+    time it leaves the ``output_len - 1`` decode steps at full batch size. All prompts
+    differ, so no run hits the radix cache.
     """
     generate(prompt_ids(w.prompts, w.input_len, vocab, seed + 700), 1)
     started = time.perf_counter()
