@@ -6,7 +6,7 @@ spellings the transformers-backend pull requests used; SGLang itself calls the f
 ``torchao_config`` / ``--torchao-config`` (see ``quantization.py``) is validated here and
 handed to the scheduler processes. When the arguments ask for the transformers
 implementation, the model is checked here, in the launching process, before any
-subprocess starts (``compat.preflight``).
+subprocess starts (``models.analysis.preflight``).
 """
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ def resolve_torchao(name: str | None, model_impl: str):
 def preflight_if_transformers(model_impl: str, options: dict, torchao=None) -> None:
     """Check the model in this process when the transformers implementation is explicit."""
     if model_impl == "transformers" and options.get("model_path"):
-        from sglang_hf_backend import compat
+        from sglang_hf_backend.models.analysis import preflight
 
-        compat.preflight(
+        preflight(
             options["model_path"],
             bool(options.get("trust_remote_code")),
             options.get("revision"),
@@ -107,7 +107,7 @@ def install() -> None:
     """Hook the two ways SGLang builds ServerArgs: Engine keywords and the CLI parser."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_hf_backend.plugin import when_imported
+    from sglang_hf_backend.imports import when_imported
 
     HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", add_cli_args, HookType.AFTER)
     HookRegistry.register("sglang.srt.server_args.ServerArgs.from_cli_args", from_cli_args, HookType.BEFORE)

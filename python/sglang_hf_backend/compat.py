@@ -1,9 +1,8 @@
-"""Can this checkpoint be served by sglang_hf_backend? Answered before any weight is read.
+"""Which transformers class serves a checkpoint, and may it be served at all.
 
-Runs twice: in the launching process as soon as the arguments ask for the transformers
-implementation (``preflight``: a scheduler that fails takes its launcher down with it, so
-the user gets the error here instead), and again in each scheduler when the model class
-is built (the authoritative check).
+Plain checks on the config and the class, before anything is built; they depend on
+nothing else in this package. ``models/analysis.py`` runs them first, in the launching
+process (preflight) and again in each scheduler.
 """
 
 from __future__ import annotations
@@ -61,22 +60,3 @@ def check_attention_interface(model_class: type[PreTrainedModel]) -> None:
         "calls ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...) and sets "
         "_supports_attention_backend = True."
     )
-
-
-def preflight(
-    model_path: str, trust_remote_code: bool, revision: str | None = None, tp_size: int = 1, torchao=None
-) -> None:
-    """Everything checkable before SGLang starts: class, attention gate, TP layout, quantization.
-
-    Builds the model on the meta device and traces it (no weights are read), exactly as
-    each scheduler will, so an error surfaces in the caller's process instead of a
-    scheduler subprocess.
-    """
-    from sglang_hf_backend.models.analysis import analyse
-    from sglang_hf_backend.surgery.tensor_parallel import local_input_features
-
-    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code, revision=revision)
-    analysis = analyse(config, trust_remote_code, tp_size)
-    if torchao is not None:
-        backbone = analysis.hf_model.base_model
-        torchao.check_group_size(local_input_features(backbone, analysis.tp_layout, tp_size))

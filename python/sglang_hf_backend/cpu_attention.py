@@ -23,8 +23,6 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
-from sglang_hf_backend.platform import CPU_ATTENTION_BACKEND, CPU_GRAPH_REFUSAL
-
 _SUPPORTED_MODES = {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.IDLE}
 
 
@@ -60,27 +58,28 @@ class BatchLayout:
 class CpuSdpaAttnBackend(AttentionBackend):
     """Paged attention on CPU, one batched attention call per layer."""
 
-    def __init__(self, model_runner):
+    def __init__(self, model_runner, name: str):
         super().__init__()
+        self.backend_name = name  # as registered by the platform, for error messages
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.forward_metadata: BatchLayout | None = None
         if getattr(self.token_to_kv_pool, "swa_layer_nums", 0):
             raise ValueError(
-                f"{CPU_ATTENTION_BACKEND} does not serve hybrid sliding-window KV pools; "
+                f"{self.backend_name} does not serve hybrid sliding-window KV pools; "
                 "use --attention-backend torch_native for this model."
             )
 
     def init_cpu_graph_state(self, max_bs: int, max_num_token: int) -> None:
-        """SGLang's CPU graph runner (``--enable-torch-compile`` on a native model) lands here."""
-        raise ValueError(CPU_GRAPH_REFUSAL)
+        """SGLang's CPU graph runner lands here; the platform refuses that combination up front."""
+        raise ValueError(f"{self.backend_name} keeps no CPU-graph state, so SGLang's CPU graph capture cannot use it.")
 
     # -- per-batch layout ---------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         mode = forward_batch.forward_mode
         if mode not in _SUPPORTED_MODES:
             raise ValueError(
-                f"{CPU_ATTENTION_BACKEND} cannot run forward mode {mode.name} (speculative "
+                f"{self.backend_name} cannot run forward mode {mode.name} (speculative "
                 "decoding and other special modes); use --attention-backend torch_native."
             )
         if mode == ForwardMode.IDLE:
@@ -88,7 +87,7 @@ class CpuSdpaAttnBackend(AttentionBackend):
             return
         if forward_batch.encoder_lens is not None:
             raise ValueError(
-                f"{CPU_ATTENTION_BACKEND} does not serve encoder-decoder models (cross "
+                f"{self.backend_name} does not serve encoder-decoder models (cross "
                 "attention); use --attention-backend torch_native."
             )
         self.forward_metadata = self._layout(forward_batch)
@@ -125,7 +124,7 @@ class CpuSdpaAttnBackend(AttentionBackend):
 
     def _attend(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool):
         if layer.is_cross_attention:
-            raise ValueError(f"{CPU_ATTENTION_BACKEND} does not serve cross attention.")
+            raise ValueError(f"{self.backend_name} does not serve cross attention.")
         if save_kv_cache and k is not None:
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
         layout = self.forward_metadata

@@ -90,3 +90,8 @@ def describe_layers(model: nn.Module) -> dict[str, str]:
             flags.append("split input")
         layers[name] = base + (f" ({', '.join(flags)})" if flags else "")
     return layers
+
+
+def moe_layers(model: nn.Module) -> list[nn.Module]:
+    """SGLang's FusedMoE layers in ``model`` (found by class name: importing it costs seconds)."""
+    return [m for m in model.modules() if any(c.__name__ == "FusedMoE" for c in type(m).__mro__)]

@@ -5,9 +5,9 @@ rotary embeddings import vllm, ``get_device()`` finds no device for parameters t
 are not replaced, and TP groups try PyNccl. An out-of-tree platform closes all three:
 being out-of-tree selects the native rotary path, ``get_device`` answers "cpu" (so
 ``device="cpu"`` need not be given), and ``supports_pynccl=False`` keeps TP on gloo.
-A fourth gap shows with final-logit soft-capping (Gemma2): the logits processor
-launches a Triton kernel on any platform but NPU and SGLang's own CPU engine;
-``install_cpu_kernel_fallbacks`` swaps in the same computation in torch. SGLang's
+More gaps show where native models launch Triton kernels on any platform but NPU and
+SGLang's own CPU engine (final-logit soft-capping for Gemma2, Qwen2-MoE's shared-expert
+gate); ``install_cpu_kernel_fallbacks`` swaps in the same computation in torch. SGLang's
 profiler also asks an out-of-tree platform for its profiler activity (CPU here).
 The platform also picks our batched CPU attention backend (``cpu_attention.py``).
 """
@@ -22,8 +22,15 @@ from sglang.srt.platforms.cpu import CpuDeviceMixin
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
-CPU_ATTENTION_BACKEND = "cpu_sdpa"
-
+# The batched CPU attention backend (cpu_attention.py) this platform registers and picks.
+BACKEND_NAME = "cpu_sdpa"
+# --enable-torch-compile on a native model starts SGLang's CPU graph runner, which needs an
+# attention backend that keeps CPU-graph state (intel_amx with sgl-kernel).
+CPU_GRAPH_REFUSAL = (
+    f"--attention-backend {BACKEND_NAME} does not support SGLang's CPU graph capture, which "
+    "--enable-torch-compile starts for native models. Serve with --impl transformers "
+    "(sglang_hf_backend compiles the decoder layers itself), or drop --enable-torch-compile."
+)
 
 def accelerator_present() -> bool:
     """True when torch sees any device SGLang has an in-tree platform for."""
@@ -55,20 +62,20 @@ def register_cpu_attention_backend() -> None:
     """Make ``cpu_sdpa`` a valid --attention-backend and build it when SGLang asks for it."""
     from sglang.srt.arg_groups import choices
 
-    from sglang_hf_backend.plugin import when_imported
+    from sglang_hf_backend.imports import when_imported
 
-    if CPU_ATTENTION_BACKEND not in choices.ATTENTION_BACKEND_CHOICES:
-        choices.add_attention_backend_choices([CPU_ATTENTION_BACKEND])
+    if BACKEND_NAME not in choices.ATTENTION_BACKEND_CHOICES:
+        choices.add_attention_backend_choices([BACKEND_NAME])
     when_imported(
         "sglang.srt.layers.attention.attention_registry",
-        lambda registry: registry.register_attention_backend(CPU_ATTENTION_BACKEND)(_build_cpu_attention),
+        lambda registry: registry.register_attention_backend(BACKEND_NAME)(_build_cpu_attention),
     )
 
 
 def _build_cpu_attention(model_runner):
     from sglang_hf_backend.cpu_attention import CpuSdpaAttnBackend
 
-    return CpuSdpaAttnBackend(model_runner)
+    return CpuSdpaAttnBackend(model_runner, BACKEND_NAME)
 
 
 def softcap_inplace(logits: torch.Tensor, softcap: float) -> torch.Tensor:
@@ -76,23 +83,29 @@ def softcap_inplace(logits: torch.Tensor, softcap: float) -> torch.Tensor:
     return logits.div_(softcap).tanh_().mul_(softcap)
 
 
+def gate_sigmoid_mul(hidden_states, gate_weight, shared_output) -> torch.Tensor:
+    """``sigmoid(hidden . gate) * shared`` per token in fp32, as SGLang's Triton kernel computes it."""
+    gate = torch.sigmoid((hidden_states.float() * gate_weight.float()).sum(dim=-1, keepdim=True))
+    return (gate * shared_output.float()).to(shared_output.dtype)
+
+
+def gate_sigmoid_mul_add(hidden_states, gate_weight, shared_output, final_hidden_states) -> None:
+    """``final += sigmoid(hidden . gate) * shared`` in place (Qwen2-MoE's shared-expert gate)."""
+    gate = torch.sigmoid((hidden_states.float() * gate_weight.float()).sum(dim=-1, keepdim=True))
+    final_hidden_states.copy_(gate * shared_output.float() + final_hidden_states.float())
+
+
 def install_cpu_kernel_fallbacks() -> None:
+    """Torch versions of the Triton kernels SGLang's native models launch on every platform."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(
-        "sglang.kernels.ops.activation.softcap.softcap_inplace_logits",
-        softcap_inplace,
-        HookType.REPLACE,
-    )
-
-
-# --enable-torch-compile on a native model starts SGLang's CPU graph runner, which needs an
-# attention backend that keeps CPU-graph state (intel_amx with sgl-kernel).
-CPU_GRAPH_REFUSAL = (
-    f"--attention-backend {CPU_ATTENTION_BACKEND} does not support SGLang's CPU graph capture, which "
-    "--enable-torch-compile starts for native models. Serve with --impl transformers "
-    "(sglang_hf_backend compiles the decoder layers itself), or drop --enable-torch-compile."
-)
+    fallbacks = {
+        "sglang.kernels.ops.activation.softcap.softcap_inplace_logits": softcap_inplace,
+        "sglang.kernels.ops.elementwise.elementwise.fused_gate_sigmoid_mul": gate_sigmoid_mul,
+        "sglang.kernels.ops.elementwise.elementwise.fused_gate_sigmoid_mul_add": gate_sigmoid_mul_add,
+    }
+    for target, fallback in fallbacks.items():
+        HookRegistry.register(target, fallback, HookType.REPLACE)
 
 
 class HFBackendCpuPlatform(CpuDeviceMixin, SRTPlatform):
@@ -112,7 +125,7 @@ class HFBackendCpuPlatform(CpuDeviceMixin, SRTPlatform):
         return "cpu"
 
     def get_default_attention_backend(self) -> str:
-        return CPU_ATTENTION_BACKEND
+        return BACKEND_NAME
 
     def is_pin_memory_available(self, device=None) -> bool:
         return False
@@ -131,9 +144,9 @@ class HFBackendCpuPlatform(CpuDeviceMixin, SRTPlatform):
         to the per-request ``torch_native`` loop.
         """
         if server_args.attention_backend in (None, "intel_amx") and not _cpu_kernels_installed():
-            server_args.attention_backend = CPU_ATTENTION_BACKEND
+            server_args.attention_backend = BACKEND_NAME
         uses_cpu_graphs = server_args.enable_torch_compile and server_args.model_impl == "sglang"
-        if uses_cpu_graphs and server_args.attention_backend == CPU_ATTENTION_BACKEND:
+        if uses_cpu_graphs and server_args.attention_backend == BACKEND_NAME:
             raise ValueError(CPU_GRAPH_REFUSAL)
 
 

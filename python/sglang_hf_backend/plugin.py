@@ -7,17 +7,12 @@ our classes are put into it only when some process imports the registry anyway.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import sys
-from collections import defaultdict
-from typing import Callable
-
 
 def register() -> None:
     """Entry point of ``sglang.srt.plugins``."""
     from sglang_hf_backend import args, platform
     from sglang_hf_backend.attention import register_attention_function
+    from sglang_hf_backend.imports import when_imported
 
     register_attention_function()
     args.install()
@@ -34,43 +29,3 @@ def _register_model_classes(registry_module) -> None:
 
     for cls in ENTRY_CLASSES:
         registry_module.ModelRegistry.models[cls.__name__] = cls
-
-
-# -- run code right after a module is imported, without importing it now -------
-_callbacks: dict[str, list[Callable]] = defaultdict(list)
-
-
-def when_imported(module_name: str, callback: Callable) -> None:
-    """Call ``callback(module)`` now if ``module_name`` is loaded, else right after it loads."""
-    module = sys.modules.get(module_name)
-    if module is not None:
-        callback(module)
-        return
-    _callbacks[module_name].append(callback)
-    if not any(isinstance(f, _PostImportFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PostImportFinder())
-
-
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in _callbacks:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return None
-        spec.loader = _CallbackLoader(spec.loader, fullname)
-        return spec
-
-
-class _CallbackLoader(importlib.abc.Loader):
-    def __init__(self, loader, fullname: str):
-        self.loader = loader
-        self.fullname = fullname
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self.loader.exec_module(module)
-        for callback in _callbacks.pop(self.fullname, []):
-            callback(module)

@@ -135,9 +135,6 @@ class ShardQuantizer:
         self.bytes_before = 0
         self.bytes_after = 0
 
-    def owns(self, module: nn.Module) -> bool:
-        return any(module is m for m in self.modules.values())
-
     def loaded(self, key: str) -> None:
         owner = key.split(":")[0].rpartition(".")[0]
         waiting = self.pending.get(owner)

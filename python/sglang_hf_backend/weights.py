@@ -1,26 +1,33 @@
 """Checkpoint loading: HF tensor names into the wrapped model, each rank taking its share.
 
-Names are those of the HF causal-LM class (our wrapper keeps its module layout), after
-transformers' own renames (``get_model_conversion_mapping``). Each tensor goes through
-the owning module's load transform (transposes, packed reorders) and then the SGLang
-parameter's ``weight_loader``, which narrows it to this rank. Fused layers register
-routes from the original names to their packed parameters and shard ids. Anything left
-unmatched or unloaded is an error that names the tensors, never a silent skip.
+Names are those of the HF class (our wrapper keeps its module layout) after transformers'
+own conversion mapping (``get_model_conversion_mapping``): renames apply as transformers
+applies them, and a tensor that transformers would merge into a larger parameter
+(``MergeModulelist`` / ``Concatenate``, e.g. one expert's ``w1`` into ``gate_up_proj``) is
+recognised as that parameter's ``Piece`` and loaded straight into its slice, without
+merging. Each tensor reaches the parameter's ``weight_loader`` (which narrows it to this
+rank) through a ``Route``: plain for most parameters, to a shard of a packed parameter
+for fused layers, to an expert and shard for fused experts. Anything left unmatched or
+unloaded is an error that names the tensors, never a silent skip.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import WeightRenaming
-
-from sglang_hf_backend.surgery.linear import LOAD_TRANSFORM
+from transformers.core_model_loading import (
+    Concatenate,
+    MergeModulelist,
+    WeightConverter,
+    WeightRenaming,
+    rename_source_key,
+)
 
 
 class CheckpointMismatchError(ValueError):
@@ -28,57 +35,139 @@ class CheckpointMismatchError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class Piece:
+    """Which slice of a model parameter one checkpoint tensor is.
+
+    ``index`` along dim 0 of the parameter (one module of a merged module list, e.g. an
+    expert), then ``part`` of ``parts`` equal sections along ``part_dim`` of that slice.
+    """
+
+    index: int | None = None
+    part: int = 0
+    parts: int = 1
+    part_dim: int = 0
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This piece of a whole parameter-shaped ``tensor``."""
+        if self.index is not None:
+            tensor = tensor[self.index]
+        return tensor.chunk(self.parts, dim=self.part_dim)[self.part] if self.parts > 1 else tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Load:
+    """One call of a parameter's weight loader."""
+
+    param: str
+    tensor: torch.Tensor
+    shard_id: str | int | None = None
+    expert_id: int | None = None
+    piece: Piece | None = None  # for parameters without a loader: the slice to copy into
+
+
+def load_key(param: str, shard_id=None, expert_id=None) -> str:
+    """The key a load is checked off under ("param", "param:shard", "param:shard:expert")."""
+    parts = [param] + [str(p) for p in (shard_id, expert_id) if p is not None]
+    return ":".join(parts)
+
+
+class Routing(Protocol):
+    """Turns one checkpoint tensor (or piece of one) into weight-loader calls."""
+
+    def under(self, prefix: str) -> "Routing":
+        """The same route with ``prefix.`` before the parameter name."""
+
+    def loads(self, tensor: torch.Tensor, piece: Piece | None) -> Iterator[Load]: ...
+
+    def keys(self) -> Iterator[str]:
+        """Every key a complete checkpoint loads through this route."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Route:
-    """Where a checkpoint tensor goes: a parameter, optionally a shard of a packed one."""
+    """A parameter, or one shard of a packed parameter (``weight_loader(param, t, shard_id)``)."""
 
     param: str
     shard_id: str | int | None = None
-    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def under(self, prefix: str) -> "Route":
         return dataclasses.replace(self, param=f"{prefix}.{self.param}")
+
+    def loads(self, tensor: torch.Tensor, piece: Piece | None) -> Iterator[Load]:
+        if piece is not None and self.shard_id is not None:
+            raise CheckpointMismatchError(
+                f"a checkpoint tensor holds a slice of a parameter that loads into shard "
+                f"{self.shard_id!r} of {self.param}; sglang_hf_backend cannot load such slices."
+            )
+        yield Load(self.param, tensor, self.shard_id, piece=piece)
+
+    def keys(self) -> Iterator[str]:
+        yield load_key(self.param, self.shard_id)
 
 
 @dataclasses.dataclass
 class CheckpointNames:
     """How checkpoint names relate to the model, taken from the HF class."""
 
-    renames: list  # transformers WeightTransform objects
+    renamings: list[WeightRenaming]
+    converters: list[WeightConverter]
     ignore_unexpected: list[re.Pattern]
     base_prefix: str  # the backbone attribute, e.g. "model" or "transformer"
 
     @classmethod
     def of(cls, hf_model: PreTrainedModel) -> "CheckpointNames":
+        transforms = get_model_conversion_mapping(hf_model)
         patterns = getattr(hf_model, "_keys_to_ignore_on_load_unexpected", None) or []
         return cls(
-            renames=get_model_conversion_mapping(hf_model),
+            renamings=[t for t in transforms if isinstance(t, WeightRenaming)],
+            converters=[t for t in transforms if isinstance(t, WeightConverter)],
             ignore_unexpected=[re.compile(p) for p in patterns],
             base_prefix=hf_model.base_model_prefix,
         )
 
-    def rename(self, name: str) -> str:
-        for transform in self.renames:
-            renamed, matched = transform.rename_source_key(name)
-            if matched is None:
-                continue
-            if not isinstance(transform, WeightRenaming):
-                raise CheckpointMismatchError(
-                    f"Checkpoint tensor {name!r} needs transformers' {type(transform).__name__} "
-                    "conversion (tensors merged or split on load), which sglang_hf_backend does "
-                    "not apply. Re-save the checkpoint with transformers >= 5 (save_pretrained)."
-                )
-            name = renamed
-        return name
+    def resolve(self, name: str) -> tuple[str, Piece | None]:
+        """The model's name for checkpoint tensor ``name``, and which piece of it the tensor is."""
+        renamed, pattern = rename_source_key(name, self.renamings, self.converters)
+        if pattern is None:
+            return renamed, None
+        converter = next(c for c in self.converters if pattern in c.source_patterns)
+        return renamed, _piece(name, pattern, converter)
+
+
+def _piece(name: str, pattern: str, converter: WeightConverter) -> Piece:
+    """Where tensor ``name`` lands in the parameter ``converter`` builds from its sources."""
+    index, part, part_dim = None, 0, 0
+    for operation in converter.operations:
+        if isinstance(operation, MergeModulelist) and operation.dim == 0:
+            index = _wildcard_index(name, pattern)
+        elif isinstance(operation, Concatenate):
+            part = converter.source_patterns.index(pattern)
+            part_dim = operation.dim - (1 if index is not None else 0)
+        else:
+            raise CheckpointMismatchError(
+                f"Checkpoint tensor {name!r} needs transformers' {type(operation).__name__} conversion "
+                "on load, which sglang_hf_backend does not apply. Re-save the checkpoint with "
+                "transformers >= 5 (save_pretrained)."
+            )
+    return Piece(index, part, len(converter.source_patterns), part_dim)
+
+
+def _wildcard_index(name: str, pattern: str) -> int:
+    regex = re.escape(pattern).replace(r"\*", r"(\d+)")
+    found = re.search(regex, name)
+    if found is None:
+        raise CheckpointMismatchError(f"cannot tell which module list entry {name!r} belongs to")
+    return int(found.group(1))
 
 
 class WeightLoader:
-    """Loads one checkpoint into ``model`` and checks that it covered every parameter."""
+    """Loads one checkpoint into ``model`` and says which keys it covered."""
 
     def __init__(
         self,
         model: nn.Module,
         names: CheckpointNames,
-        routes: dict[str, Route],
+        routes: dict[str, Routing],
         tied: set[str],
         on_loaded: Callable[[str], None] | None = None,
     ):
@@ -86,7 +175,7 @@ class WeightLoader:
         self.names = names
         self.routes = routes
         self.tied = tied  # parameters shared with another one: a checkpoint copy is skipped
-        self.on_loaded = on_loaded  # told each loaded key ("param" or "param:shard")
+        self.on_loaded = on_loaded  # told each loaded key (see load_key)
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.buffers = {name for name, _ in model.named_buffers()}
 
@@ -94,17 +183,18 @@ class WeightLoader:
         loaded: set[str] = set()
         unexpected: list[str] = []
         for raw_name, tensor in weights:
-            name = self.names.rename(raw_name)
+            name, piece = self.names.resolve(raw_name)
             route = self.route(name)
             if route is None:
                 if not self._ignorable(name):
                     unexpected.append(raw_name)
                 continue
-            self._load_one(route, tensor)
-            key = route.param if route.shard_id is None else f"{route.param}:{route.shard_id}"
-            loaded.add(key)
-            if self.on_loaded is not None:
-                self.on_loaded(key)
+            for load in route.loads(tensor, piece):
+                self._load_one(load)
+                key = load_key(load.param, load.shard_id, load.expert_id)
+                loaded.add(key)
+                if self.on_loaded is not None:
+                    self.on_loaded(key)
         if unexpected:
             raise CheckpointMismatchError(
                 f"{len(unexpected)} checkpoint tensor(s) match no parameter of the model: "
@@ -113,7 +203,7 @@ class WeightLoader:
             )
         return loaded
 
-    def route(self, name: str) -> Route | None:
+    def route(self, name: str) -> Routing | None:
         for candidate in (name, f"{self.names.base_prefix}.{name}"):
             if candidate in self.routes:
                 return self.routes[candidate]
@@ -129,41 +219,41 @@ class WeightLoader:
             return True
         return any(p.search(name) for p in self.names.ignore_unexpected)
 
-    def _load_one(self, route: Route, tensor: torch.Tensor) -> None:
-        param = self.params[route.param]
-        owner_name, _, param_attr = route.param.rpartition(".")
-        owner = self.model.get_submodule(owner_name)
+    def _load_one(self, load: Load) -> None:
+        param = self.params[load.param]
         if param.is_meta:
-            param = self._materialise(route.param, owner, param_attr, param)
-        transform = getattr(owner, LOAD_TRANSFORM, {}).get(param_attr)
-        if route.transform is not None:
-            tensor = route.transform(tensor)
-        if transform is not None:
-            tensor = transform(tensor)
-        loader = getattr(param, "weight_loader", _copy_whole)
-        if route.shard_id is None:
-            loader(param, tensor)
+            param = self._materialise(load.param, param)
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            _copy_into(param, load.tensor, load.piece)
+        elif load.expert_id is not None:
+            # FusedMoE tells weights from scales by the name: give it the parameter's own
+            loader(param, load.tensor, load.param, shard_id=load.shard_id, expert_id=load.expert_id)
+        elif load.shard_id is not None:
+            loader(param, load.tensor, load.shard_id)
         else:
-            loader(param, tensor, route.shard_id)
+            loader(param, load.tensor)
 
-    def _materialise(self, name: str, owner: nn.Module, attr: str, param: nn.Parameter) -> nn.Parameter:
+    def _materialise(self, name: str, param: nn.Parameter) -> nn.Parameter:
         """Give a parameter left on meta its memory, keeping SGLang's loader attributes."""
         from sglang.srt.utils import get_device
 
+        owner_name, _, attr = name.rpartition(".")
         real = nn.Parameter(torch.empty_like(param, device=get_device()), requires_grad=False)
         real.__dict__.update(param.__dict__)
-        owner._parameters[attr] = real
+        self.model.get_submodule(owner_name)._parameters[attr] = real
         self.params[name] = real
         return real
 
 
-def _copy_whole(param: nn.Parameter, tensor: torch.Tensor) -> None:
-    if param.shape != tensor.shape:
+def _copy_into(param: nn.Parameter, tensor: torch.Tensor, piece: Piece | None) -> None:
+    target = param.data if piece is None else piece.of(param.data)
+    if target.shape != tensor.shape:
         raise CheckpointMismatchError(
-            f"checkpoint tensor of shape {tuple(tensor.shape)} does not fit a parameter of "
-            f"shape {tuple(param.shape)}"
+            f"checkpoint tensor of shape {tuple(tensor.shape)} does not fit a parameter "
+            f"{'slice ' if piece else ''}of shape {tuple(target.shape)}"
         )
-    param.data.copy_(tensor)
+    target.copy_(tensor)
 
 
 def check_all_loaded(loaded: set[str], expected: set[str], tied: set[str]) -> None:

@@ -1,9 +1,11 @@
-"""Everything decided about a model before any parameter exists.
+"""Everything decided about a model before any parameter exists, and the preflight.
 
 The checkpoint's HF class (built-in or remote code) is resolved and gated, the model is
 built on the meta device, its backbone traced once, its tensor-parallel layout planned
-and its fusions matched. This runs in the launching process as a preflight (so bad input fails before
-subprocesses start) and at the start of model construction in every scheduler.
+and its fusions matched. ``preflight`` runs this in the launching process as soon as
+the arguments ask for the transformers implementation (a scheduler that fails takes its
+launcher down with it, so the user gets the error there instead); ``analyse`` runs again
+at the start of model construction in every scheduler.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ from typing import Iterator
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from sglang_hf_backend import compat
 from sglang_hf_backend.attention import ATTENTION_NAME
 from sglang_hf_backend.surgery.fusers import FusionContext, FusionPlan, plan_fusions
-from sglang_hf_backend.surgery.tensor_parallel import TPLayout, plan_tensor_parallel
+from sglang_hf_backend.surgery.roles import is_expert_bank
+from sglang_hf_backend.surgery.tensor_parallel import TPLayout, local_input_features, plan_tensor_parallel
 from sglang_hf_backend.surgery.trace import ModelTrace, trace_model
 
 
@@ -36,15 +39,40 @@ def analyse(config: PretrainedConfig, trust_remote_code: bool, tp_size: int) -> 
     hf_class = compat.resolve_hf_class(config, trust_remote_code)
     compat.check_attention_interface(hf_class)
     hf_model = build_on_meta(hf_class, without_cpu_padding(config))
-    trace = trace_model(hf_model.base_model)
-    if not trace.attention_calls:
-        raise compat.IncompatibleModelError(
-            f"{hf_class.__name__} never called the attention interface during a trial "
-            "forward, so its attention cannot be routed to SGLang; it is not compatible."
-        )
+    trace = trace_backbone(hf_model)
     layout = plan_tensor_parallel(hf_model.base_model, trace, tp_size)
     fusions = plan_fusions(trace, FusionContext(tp_size, layout))
     return Analysis(hf_model, trace, layout, fusions)
+
+
+def preflight(
+    model_path: str, trust_remote_code: bool, revision: str | None = None, tp_size: int = 1, torchao=None
+) -> None:
+    """Everything checkable before SGLang starts: class, attention gate, TP layout, fusions, quantization."""
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code, revision=revision)
+    analysis = analyse(config, trust_remote_code, tp_size)
+    if torchao is not None:
+        backbone = analysis.hf_model.base_model
+        torchao.check_group_size(local_input_features(backbone, analysis.tp_layout, tp_size))
+
+
+def trace_backbone(hf_model: PreTrainedModel) -> ModelTrace:
+    """The backbone's trace (expert banks kept opaque); a model that cannot be traced is refused."""
+    name = type(hf_model).__name__
+    try:
+        trace = trace_model(hf_model.base_model, opaque=is_expert_bank)
+    except Exception as reason:
+        raise compat.IncompatibleModelError(
+            f"{name} could not be run on meta tensors to find its layers "
+            f"({type(reason).__name__}: {reason}); sglang_hf_backend cannot serve it. "
+            "Use SGLang's native implementation (model_impl='sglang') if it has one."
+        ) from reason
+    if not trace.attention_calls:
+        raise compat.IncompatibleModelError(
+            f"{name} never called the attention interface during a trial "
+            "forward, so its attention cannot be routed to SGLang; it is not compatible."
+        )
+    return trace
 
 
 # SGLang pads head counts and intermediate sizes in the config on CPU when they do not
@@ -72,10 +100,15 @@ def without_cpu_padding(config: PretrainedConfig) -> PretrainedConfig:
 
 
 def build_on_meta(hf_class: type[PreTrainedModel], config: PretrainedConfig) -> PreTrainedModel:
-    """The HF model with parameters on meta (no memory) and buffers computed for real."""
+    """The HF model with parameters on meta (no memory) and buffers computed for real.
+
+    Expert banks get transformers' eager implementation: the MoE fuser runs them on probe
+    values, which the grouped-matmul kernels refuse in fp32 on CPU.
+    """
+    options = {"experts_implementation": "eager"} if hf_class._can_set_experts_implementation() else {}
     with _parameters_on_meta():
         return hf_class._from_config(
-            config, dtype=torch.get_default_dtype(), attn_implementation=ATTENTION_NAME
+            config, dtype=torch.get_default_dtype(), attn_implementation=ATTENTION_NAME, **options
         )
 
 

@@ -33,7 +33,7 @@ from sglang_hf_backend.surgery.fusers import apply_fusions, declared_packed_modu
 from sglang_hf_backend.surgery.linear import build_linear, is_linear
 from sglang_hf_backend.surgery.tensor_parallel import TPLayout, local_input_features
 from sglang_hf_backend.surgery.trace import ModelTrace
-from sglang_hf_backend.weights import CheckpointNames, Route, WeightLoader, check_all_loaded
+from sglang_hf_backend.weights import CheckpointNames, Routing, WeightLoader, check_all_loaded
 
 
 class TransformersBase(nn.Module):
@@ -66,7 +66,7 @@ class TransformersBase(nn.Module):
         with torch.device("meta") if self.torchao else contextlib.nullcontext():
             fused_routes = apply_fusions(backbone, self.model_trace, self.fusions, quant_config)
             replace_linears(backbone, self.tp_layout, self.tp_size, quant_config)
-        self.weight_routes: dict[str, Route] = {
+        self.weight_routes: dict[str, Routing] = {
             f"{self.backbone_name}.{name}": route.under(self.backbone_name)
             for name, route in fused_routes.items()
         }
@@ -168,22 +168,17 @@ class TransformersBase(nn.Module):
         }
 
     def expected_checkpoint_keys(self) -> set[str]:
-        """Parameter names, with packed parameters expanded to one key per shard."""
-        packed = {route.param for route in self.weight_routes.values() if route.shard_id is not None}
-        keys = {name for name, _ in self.named_parameters() if name not in packed}
-        keys |= {
-            f"{route.param}:{route.shard_id}"
-            for route in self.weight_routes.values()
-            if route.shard_id is not None
-        }
-        return keys
+        """Parameter names, packed parameters expanded to one key per shard (and expert)."""
+        routed = {key for route in self.weight_routes.values() for key in route.keys()}
+        packed = {key.split(":")[0] for key in routed}
+        return {name for name, _ in self.named_parameters() if name not in packed} | routed
 
 
 def replace_linears(backbone: nn.Module, layout: TPLayout, tp_size: int, quant_config) -> None:
     for name, module in list(backbone.named_modules()):
         if is_linear(module):
             layer = build_linear(module, layout.placements[name], tp_size, quant_config, prefix=name)
-            _set_submodule(backbone, name, layer)
+            backbone.set_submodule(name, layer)
 
 
 def replace_input_embedding(backbone: PreTrainedModel) -> None:
@@ -266,8 +261,3 @@ def materialise_meta_parameters(module: nn.Module, keep_linears_on_meta: bool = 
                 sub._parameters[name] = nn.Parameter(
                     torch.empty_like(param, device=device), requires_grad=False
                 )
-
-
-def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(root.get_submodule(parent_name) if parent_name else root, child, module)

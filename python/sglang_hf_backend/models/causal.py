@@ -10,6 +10,7 @@ processor to match. Anything else it does is refused rather than served differen
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import torch
@@ -18,7 +19,7 @@ from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, PPProxyTensors
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from sglang_hf_backend.compat import IncompatibleModelError
 
@@ -41,7 +42,7 @@ class CausalMixin:
                 prefix=self.head_name,
             )
         setattr(self, self.head_name, head)
-        scale, _ = measure_head(hf_model, self.head_name)  # soft-cap comes from the config
+        scale = measure_head(hf_model, self.head_name)  # the soft-cap comes from the config
         self.logits_processor = LogitsProcessor(self.text_config, logit_scale=None if scale == 1.0 else scale)
 
     def tied_parameters(self) -> set[str]:
@@ -73,8 +74,8 @@ def output_embedding_name(hf_model: PreTrainedModel) -> str:
     )
 
 
-def measure_head(hf_model: PreTrainedModel, head_name: str) -> tuple[float, float | None]:
-    """(scale, softcap) of the HF head's logit post-processing, checked over a range.
+def measure_head(hf_model: PreTrainedModel, head_name: str) -> float:
+    """The constant scale of the HF head's logit post-processing, checked over a range.
 
     The head is run with the backbone returning probe values and the projection
     replaced by identity, so what comes out is exactly the post-processing.
@@ -95,7 +96,7 @@ def measure_head(hf_model: PreTrainedModel, head_name: str) -> tuple[float, floa
             f"{type(hf_model).__name__}.forward transforms logits in a way SGLang's logits "
             "processor cannot reproduce (it supports one constant scale and a final soft-cap)."
         )
-    return scale, softcap
+    return scale
 
 
 def _run_head(hf_model: PreTrainedModel, head_name: str, hidden: torch.Tensor) -> torch.Tensor:
@@ -106,12 +107,34 @@ def _run_head(hf_model: PreTrainedModel, head_name: str, hidden: torch.Tensor) -
 
 
 class _ProbeBackbone(nn.Module):
+    """Stands in for the backbone and anything the head reaches through it.
+
+    Heads call the backbone directly (``self.model(...)``) or a part of it (OPT's
+    ``self.model.decoder(...)``); every attribute the probe lacks is the probe again.
+    """
+
     def __init__(self, hidden: torch.Tensor):
         super().__init__()
         self.hidden = hidden
 
-    def forward(self, *args, **kwargs) -> BaseModelOutputWithPastAndCrossAttentions:
-        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=self.hidden)
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return self
+
+    def forward(self, *args, **kwargs) -> "_ProbeOutput":
+        return _ProbeOutput(last_hidden_state=self.hidden)
+
+
+@dataclasses.dataclass
+class _ProbeOutput(BaseModelOutputWithPast):
+    """The backbone output a head reads; extra fields it asks for (MoE router logits) are None."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
 
 
 @contextlib.contextmanager

@@ -4,8 +4,9 @@ SGLang's linears return ``(output, bias)`` and shard by tensor-parallel rank ins
 the layer; HF modules call ``self.q_proj(x)`` and expect a tensor. The classes here
 bridge the two. ``Placement`` says how one HF linear is laid out across ranks;
 ``build_linear`` turns an HF ``nn.Linear`` or GPT-2 ``Conv1D`` into the SGLang layer,
-and records how checkpoint tensors must be reshaped before SGLang's weight loader
-narrows them to this rank (``LOAD_TRANSFORM``).
+whose parameters' weight loaders first reshape checkpoint tensors the way this layout
+needs (a transposed ``Conv1D`` weight, packed sections reordered per rank) and then
+narrow them to this rank as SGLang's loaders do.
 """
 
 from __future__ import annotations
@@ -23,11 +24,6 @@ from sglang.srt.layers.linear import (
 )
 from torch import nn
 from transformers.pytorch_utils import Conv1D
-
-# Attribute on a module: {param_name: fn(tensor) -> tensor}, applied to checkpoint
-# tensors before the parameter's weight loader sees them.
-LOAD_TRANSFORM = "hf_load_transform"
-
 
 class _TensorOutput:
     """Return the output tensor alone, the way ``nn.Linear`` does."""
@@ -126,10 +122,19 @@ def build_linear(
         )
     else:
         layer = HFReplicatedLinear(in_features, out_features, **common)
-    transforms = _load_transforms(module, placement, tp_size)
-    if transforms:
-        setattr(layer, LOAD_TRANSFORM, transforms)
+    for param_name, transform in _load_transforms(module, placement, tp_size).items():
+        transform_before_loading(getattr(layer, param_name), transform)
     return layer
+
+
+def transform_before_loading(param: nn.Parameter, transform: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Make ``param``'s weight loader see ``transform(tensor)`` instead of the checkpoint tensor."""
+    loader = param.weight_loader
+
+    def load(target: nn.Parameter, tensor: torch.Tensor, *args, **kwargs):
+        return loader(target, transform(tensor), *args, **kwargs)
+
+    param.weight_loader = load
 
 
 def _load_transforms(

@@ -122,3 +122,69 @@ def mlp_roles(trace: ModuleTrace, module: nn.Module) -> MlpRoles | None:
         if source_linears(trace, trace.module_calls(up)[0].inputs[0], linears):
             return None
     return MlpRoles(tuple(sorted(ups)), down)
+
+
+def is_expert_bank(module: nn.Module) -> bool:
+    """A bank of experts: every expert's weights stacked as ``[experts, ...]`` parameters.
+
+    transformers 5 stores MoE experts this way (``gate_up_proj``/``down_proj`` of shape
+    ``[experts, out, in]``); any biases are ``[experts, out]``. Child modules, if any (an
+    activation), hold no parameters.
+    """
+    params = list(module.parameters(recurse=False))
+    if not params or not any(p.ndim == 3 for p in params) or any(p.ndim < 2 for p in params):
+        return False
+    if len({p.shape[0] for p in params}) != 1:
+        return False
+    return not any(True for child in module.children() for _ in child.parameters())
+
+
+@dataclasses.dataclass(frozen=True)
+class MoERoles:
+    """A sparse-MoE block: a router child choosing experts for an expert-bank child."""
+
+    router: str
+    experts: str
+    router_outputs: tuple[str, ...]  # each router output: "indices", "weights" or "logits"
+
+
+# Ops that only change a value's dtype or layout: routing read through them is unchanged.
+_PASS_THROUGH_OPS = {"to", "float", "type", "contiguous", "view", "reshape"}
+
+
+def _bank_calls(trace: ModuleTrace, module: nn.Module) -> list[Node]:
+    return [
+        node
+        for node in trace.nodes
+        if node.kind == "module" and is_expert_bank(getattr(module, node.target, nn.Module()))
+    ]
+
+
+def calls_expert_bank(trace: ModuleTrace, module: nn.Module) -> bool:
+    return bool(_bank_calls(trace, module))
+
+
+def moe_roles(trace: ModuleTrace, module: nn.Module) -> MoERoles | None:
+    """The router and expert bank of a block that calls ``experts(hidden, indices, weights)``.
+
+    The expert choice (indices and weights) must come out of one child module's call, the
+    router (dtype casts and reshapes between them aside); routing computed in the
+    block's own code is not recognised.
+    """
+    banks = _bank_calls(trace, module)
+    if len(banks) != 1 or len(banks[0].inputs) != 3:
+        return None
+    (router, indices), (other, weights) = (_origin(trace, value) for value in banks[0].inputs[1:])
+    if router is None or router is not other or router.kind != "module":
+        return None
+    names = {indices: "indices", weights: "weights"}
+    return MoERoles(router.target, banks[0].target, tuple(names.get(v, "logits") for v in router.outputs))
+
+
+def _origin(trace: ModuleTrace, value: int) -> tuple[Node | None, int]:
+    """The node that produced ``value`` and which of its outputs, looking through pass-through ops."""
+    node = trace.producer(value)
+    while node is not None and node.kind == "op" and node.target in _PASS_THROUGH_OPS and node.inputs:
+        value = node.inputs[0]
+        node = trace.producer(value)
+    return node, value

@@ -2,7 +2,8 @@
 
 The layout starts from the model's own TP plan (transformers' ``tp_plan``, merged
 from the class, the config's ``base_model_tp_plan`` and children) when it has one,
-and is inferred from the dataflow roles otherwise (GPT-2, OPT, remote code):
+and is inferred from the dataflow roles otherwise (GPT-2, OPT, remote code, and MLPs
+a plan leaves out, such as an MoE block's shared expert):
 projections into attention and MLP up-projections split by output features, their
 consumers by input features, everything else replicated.
 
@@ -145,11 +146,14 @@ def plan_tensor_parallel(backbone: nn.Module, trace: ModelTrace, tp_size: int) -
             continue
         _, first = instances[0]
         roles = attention_roles(class_trace, first)
+        mlp = mlp_roles(class_trace, first) if roles is None else None
         if roles is not None:
             local = _attention_layout(first, class_trace, roles, layout, plan, tp_size)
-        elif not plan and (mlp := mlp_roles(class_trace, first)) is not None:
+        elif mlp is not None and not _planned(class_trace.instance, mlp.up + (mlp.down,), plan):
             local = {up: Placement("column", packed=split_parts(class_trace, up)) for up in mlp.up}
             local[mlp.down] = ROW
+            if plan:
+                layout.notes.append(f"{module_class.__name__}: not in the model's tp_plan, inferred")
         else:
             continue
         for instance_name, _ in instances:
@@ -158,6 +162,11 @@ def plan_tensor_parallel(backbone: nn.Module, trace: ModelTrace, tp_size: int) -
                 layout.placements[prefix + child] = placement
     _check_divisible(backbone, layout, tp_size)
     return layout
+
+
+def _planned(instance: str, children: tuple[str, ...], plan: dict[str, str]) -> bool:
+    prefix = f"{instance}." if instance else ""
+    return any(style_of(prefix + child, plan) for child in children)
 
 
 def _attention_layout(

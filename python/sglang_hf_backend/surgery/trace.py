@@ -9,14 +9,17 @@ child is one node). Unlike ``torch.fx`` symbolic tracing, running the real code
 copes with Python control flow, shape unpacking and remote-code quirks.
 
 Attention calls are recorded by our attention function (see ``attention.py``), which
-reports each call to the active tracer instead of computing attention.
+reports each call to the active tracer instead of computing attention. Modules whose
+code cannot run on meta tensors at all (a bank of experts that picks its tokens with
+data-dependent indexing) can be kept opaque: they are recorded as one call in their
+parent and answer with an empty tensor shaped like their first input.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -82,9 +85,6 @@ class ModelTrace:
     classes: dict[type, ModuleTrace]
     attention_calls: list[AttentionCall]
     class_instances: dict[type, list[tuple[str, nn.Module]]]
-
-    def trace_of(self, module: nn.Module) -> ModuleTrace | None:
-        return self.classes.get(type(module))
 
 
 _ACTIVE: "_Tracer | None" = None
@@ -209,7 +209,24 @@ def _buffers_on_meta(model: nn.Module) -> Iterator[None]:
             module._buffers[name] = buf
 
 
-def _run_traced(root: nn.Module, run) -> _Tracer:
+@contextlib.contextmanager
+def _opaque(modules: list[nn.Module]) -> Iterator[None]:
+    """Stand-in forwards for ``modules``: an empty tensor shaped like the first input."""
+
+    def stand_in(*args, **kwargs):
+        first = next(x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor))
+        return torch.empty_like(first)
+
+    for module in modules:
+        module.forward = stand_in
+    try:
+        yield
+    finally:
+        for module in modules:
+            del module.forward
+
+
+def _run_traced(root: nn.Module, run, opaque: Callable[[nn.Module], bool] | None = None) -> _Tracer:
     """Run ``run()`` with every module of ``root`` hooked and torch ops recorded."""
     global _ACTIVE
     tracer = _Tracer(root)
@@ -217,9 +234,10 @@ def _run_traced(root: nn.Module, run) -> _Tracer:
     for module in root.modules():
         handles.append(module.register_forward_pre_hook(tracer.pre_hook, with_kwargs=True))
         handles.append(module.register_forward_hook(tracer.post_hook, with_kwargs=True))
+    stand_ins = [m for m in root.modules() if opaque is not None and opaque(m)]
     _ACTIVE = tracer
     try:
-        with _buffers_on_meta(root), torch.no_grad(), tracer:
+        with _buffers_on_meta(root), _opaque(stand_ins), torch.no_grad(), tracer:
             run()
     finally:
         _ACTIVE = None
@@ -228,13 +246,19 @@ def _run_traced(root: nn.Module, run) -> _Tracer:
     return tracer
 
 
-def trace_model(backbone: nn.Module, seq_len: int = 8) -> ModelTrace:
-    """Run ``backbone`` once on meta inputs and return what each module class did."""
+def trace_model(
+    backbone: nn.Module, opaque: Callable[[nn.Module], bool] | None = None, seq_len: int = 8
+) -> ModelTrace:
+    """Run ``backbone`` once on meta inputs and return what each module class did.
+
+    Modules for which ``opaque(module)`` is true are not run (see the module docstring).
+    """
     input_ids = torch.zeros((1, seq_len), dtype=torch.long, device="meta")
     position_ids = torch.arange(seq_len, device="meta")[None]
     tracer = _run_traced(
         backbone,
         lambda: backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False),
+        opaque,
     )
     instances: dict[type, list[tuple[str, nn.Module]]] = {}
     for name, module in backbone.named_modules():

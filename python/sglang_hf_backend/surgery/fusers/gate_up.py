@@ -18,18 +18,17 @@ import torch.nn.functional as F
 from sglang.srt.layers.activation import GeluAndMul, SiluAndMul
 from torch import nn
 
-from sglang_hf_backend.surgery.fusers import Fuser, FusionContext, Match
+from sglang_hf_backend.surgery.fusers.base import Fuser, FusionContext, Match, Packing
 from sglang_hf_backend.surgery.fusers.rewrite import (
     ForwardSource,
     RewriteError,
-    bind_forward,
     fuse_projection_calls,
+    install_fused_layer,
     replace_node,
 )
 from sglang_hf_backend.surgery.linear import HFMergedColumnParallelLinear
 from sglang_hf_backend.surgery.roles import mlp_roles
 from sglang_hf_backend.surgery.trace import ModuleTrace
-from sglang_hf_backend.weights import Route
 
 FUSED = "gate_up_proj"
 ACT_AND_MUL = "act_and_mul"
@@ -46,17 +45,17 @@ ACTIVATIONS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class GateUpDetail:
+class GateUpMatch(Match):
     gate: str
     up: str
     activation: str | None  # None: projections merged, activation left as written
 
 
-class GateUpFuser(Fuser):
+class GateUpFuser(Fuser[GateUpMatch]):
     name = "mlp"
-    packed_modules_mapping = {FUSED: ["gate_proj", "up_proj"]}
+    usual_packings = (Packing(FUSED, (("gate_proj", 0), ("up_proj", 1))),)
 
-    def match(self, trace: ModuleTrace, instance: nn.Module, ctx: FusionContext) -> Match | None:
+    def match(self, trace: ModuleTrace, instance: nn.Module, ctx: FusionContext) -> GateUpMatch | None:
         roles = mlp_roles(trace, instance)
         if roles is None or len(roles.up) != 2 or hasattr(instance, FUSED):
             return None
@@ -71,7 +70,11 @@ class GateUpFuser(Fuser):
             raise RewriteError("the projections are not split across ranks in this layout")
         source = ForwardSource(type(instance))
         product = _act_times_up(source, instance, roles.up)
-        if product is not None:
+        if product is None:
+            gate, up = roles.up
+            fuse_projection_calls(source, [gate, up], FUSED, "split_sizes")
+            activation, description = None, f"{gate} + {up} -> {FUSED} (MergedColumnParallelLinear)"
+        else:
             node, gate, up, activation, argument = product
             fused_call = ast.Call(func=source.self_attribute(FUSED), args=[argument], keywords=[])
             replace_node(
@@ -79,40 +82,25 @@ class GateUpFuser(Fuser):
             )
             label = ACTIVATIONS[activation][2]
             description = f"{gate} + {up} -> {FUSED} (MergedColumnParallelLinear) + {label}"
-            return Match(
-                self, type(instance), GateUpDetail(gate, up, activation), source.compile(), description
-            )
-        gate, up = roles.up
-        fuse_projection_calls(source, [gate, up], FUSED, "split_sizes")
-        description = f"{gate} + {up} -> {FUSED} (MergedColumnParallelLinear)"
-        return Match(self, type(instance), GateUpDetail(gate, up, None), source.compile(), description)
+        return GateUpMatch(type(instance), description, source.compile(), gate, up, activation)
 
-    def packed_names(self, match: Match) -> dict[str, list[str]]:
-        return {FUSED: [match.detail.gate, match.detail.up]}
+    def packings(self, match: GateUpMatch) -> tuple[Packing, ...]:
+        return (Packing(FUSED, ((match.gate, 0), (match.up, 1))),)
 
-    def apply(self, root, name, instance, match: Match, quant_config) -> dict[str, Route]:
-        detail: GateUpDetail = match.detail
-        gate = getattr(instance, detail.gate)
+    def fuse(self, name: str, instance: nn.Module, match: GateUpMatch, quant_config) -> nn.Module:
+        gate = getattr(instance, match.gate)
         fused = HFMergedColumnParallelLinear(
             gate.in_features,
-            [gate.out_features, getattr(instance, detail.up).out_features],
+            [gate.out_features, getattr(instance, match.up).out_features],
             bias=gate.bias is not None,
             params_dtype=gate.weight.dtype,
             quant_config=quant_config,
             prefix=f"{name}.{FUSED}",
         )
-        delattr(instance, detail.gate)
-        delattr(instance, detail.up)
-        setattr(instance, FUSED, fused)
-        if detail.activation is not None:
-            setattr(instance, ACT_AND_MUL, ACTIVATIONS[detail.activation][1]())
-        bind_forward(instance, match.forward)
-        params = ("weight", "bias") if fused.bias is not None else ("weight",)
-        return {
-            f"{name}.{child}.{param}": Route(f"{name}.{FUSED}.{param}", shard)
-            for shard, child in enumerate((detail.gate, detail.up))
-            for param in params
-        }
+        install_fused_layer(instance, (match.gate, match.up), FUSED, fused, match.forward)
+        if match.activation is not None:
+            setattr(instance, ACT_AND_MUL, ACTIVATIONS[match.activation][1]())
+        return instance
 
 
 def _act_times_up(source: ForwardSource, instance: nn.Module, ups: tuple[str, ...]):

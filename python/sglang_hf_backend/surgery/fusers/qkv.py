@@ -12,23 +12,22 @@ import dataclasses
 
 from torch import nn
 
-from sglang_hf_backend.surgery.fusers import Fuser, FusionContext, Match
+from sglang_hf_backend.surgery.fusers.base import Fuser, FusionContext, Match, Packing
 from sglang_hf_backend.surgery.fusers.rewrite import (
     ForwardSource,
     RewriteError,
-    bind_forward,
     fuse_projection_calls,
+    install_fused_layer,
 )
 from sglang_hf_backend.surgery.linear import HFQKVParallelLinear
 from sglang_hf_backend.surgery.roles import attention_roles
 from sglang_hf_backend.surgery.trace import ModuleTrace
-from sglang_hf_backend.weights import Route
 
 FUSED = "qkv_proj"
 
 
 @dataclasses.dataclass(frozen=True)
-class QKVDetail:
+class QKVMatch(Match):
     q: str
     k: str
     v: str
@@ -38,11 +37,11 @@ class QKVDetail:
     v_head_dim: int
 
 
-class QKVFuser(Fuser):
+class QKVFuser(Fuser[QKVMatch]):
     name = "qkv"
-    packed_modules_mapping = {FUSED: ["q_proj", "k_proj", "v_proj"]}
+    usual_packings = (Packing(FUSED, (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"))),)
 
-    def match(self, trace: ModuleTrace, instance: nn.Module, ctx: FusionContext) -> Match | None:
+    def match(self, trace: ModuleTrace, instance: nn.Module, ctx: FusionContext) -> QKVMatch | None:
         roles = attention_roles(trace, instance)
         if roles is None or len(roles.inputs) != 3 or hasattr(instance, FUSED):
             return None
@@ -57,43 +56,43 @@ class QKVFuser(Fuser):
         if any(ctx.placement(trace.instance, n).gather_output for n in roles.inputs):
             raise RewriteError("its code needs all heads' q/k/v, so they stay gathered and unfused")
         call = trace.attention_calls()[0].attention
-        detail = QKVDetail(
-            roles.q, roles.k, roles.v, call.num_heads, call.num_kv_heads, call.head_dim, call.v_head_dim
-        )
-        if (q.out_features, k.out_features, v.out_features) != (
-            detail.num_heads * detail.head_dim,
-            detail.num_kv_heads * detail.head_dim,
-            detail.num_kv_heads * detail.v_head_dim,
+        sizes = (q.out_features, k.out_features, v.out_features)
+        if sizes != (
+            call.num_heads * call.head_dim,
+            call.num_kv_heads * call.head_dim,
+            call.num_kv_heads * call.v_head_dim,
         ):
             raise RewriteError("q/k/v sizes do not match the attention's head counts")
         source = ForwardSource(type(instance))
         fuse_projection_calls(source, [roles.q, roles.k, roles.v], FUSED, "split_sizes")
-        description = f"{roles.q} + {roles.k} + {roles.v} -> {FUSED} (QKVParallelLinear)"
-        return Match(self, type(instance), detail, source.compile(), description)
+        return QKVMatch(
+            module_class=type(instance),
+            description=f"{roles.q} + {roles.k} + {roles.v} -> {FUSED} (QKVParallelLinear)",
+            forward=source.compile(),
+            q=roles.q,
+            k=roles.k,
+            v=roles.v,
+            num_heads=call.num_heads,
+            num_kv_heads=call.num_kv_heads,
+            head_dim=call.head_dim,
+            v_head_dim=call.v_head_dim,
+        )
 
-    def packed_names(self, match: Match) -> dict[str, list[str]]:
-        return {FUSED: [match.detail.q, match.detail.k, match.detail.v]}
+    def packings(self, match: QKVMatch) -> tuple[Packing, ...]:
+        return (Packing(FUSED, ((match.q, "q"), (match.k, "k"), (match.v, "v"))),)
 
-    def apply(self, root, name, instance, match: Match, quant_config) -> dict[str, Route]:
-        detail: QKVDetail = match.detail
-        q = getattr(instance, detail.q)
+    def fuse(self, name: str, instance: nn.Module, match: QKVMatch, quant_config) -> nn.Module:
+        q = getattr(instance, match.q)
         fused = HFQKVParallelLinear(
             q.in_features,
-            detail.head_dim,
-            detail.num_heads,
-            detail.num_kv_heads,
+            match.head_dim,
+            match.num_heads,
+            match.num_kv_heads,
             bias=q.bias is not None,
             params_dtype=q.weight.dtype,
             quant_config=quant_config,
             prefix=f"{name}.{FUSED}",
-            v_head_size=detail.v_head_dim,
+            v_head_size=match.v_head_dim,
         )
-        for child in (detail.q, detail.k, detail.v):
-            delattr(instance, child)
-        setattr(instance, FUSED, fused)
-        bind_forward(instance, match.forward)
-        routes = {}
-        for child, shard in ((detail.q, "q"), (detail.k, "k"), (detail.v, "v")):
-            for param in ("weight", "bias") if fused.bias is not None else ("weight",):
-                routes[f"{name}.{child}.{param}"] = Route(f"{name}.{FUSED}.{param}", shard)
-        return routes
+        install_fused_layer(instance, (match.q, match.k, match.v), FUSED, fused, match.forward)
+        return instance

@@ -13,21 +13,24 @@ import dataclasses
 
 from torch import nn
 
-from sglang_hf_backend.surgery.fusers import Fuser, FusionContext, Match
+from sglang_hf_backend.surgery.fusers.base import Fuser, FusionContext, Match
 from sglang_hf_backend.surgery.fusers.rewrite import ForwardSource, bind_forward
+from sglang_hf_backend.surgery.fusers.rms_norm import RMSNormFuser
 from sglang_hf_backend.surgery.trace import ModuleTrace
 
 
 @dataclasses.dataclass(frozen=True)
-class ResidualDetail:
+class ResidualMatch(Match):
     norms: tuple[str, ...]
 
 
-class ResidualNormFuser(Fuser):
+class ResidualNormFuser(Fuser[ResidualMatch]):
     name = "residual"
+    requires = (RMSNormFuser.name,)  # only SGLang's norms take the residual
 
-    def match(self, trace: ModuleTrace, instance: nn.Module, ctx: FusionContext) -> Match | None:
-        norms = {name for name, child in instance.named_children() if type(child) in ctx.fused_norm_classes}
+    def match(self, trace: ModuleTrace, instance: nn.Module, ctx: FusionContext) -> ResidualMatch | None:
+        fused_norms = ctx.matched_classes(RMSNormFuser.name)
+        norms = {name for name, child in instance.named_children() if type(child) in fused_norms}
         if not norms:
             return None
         source = ForwardSource(type(instance))
@@ -46,11 +49,11 @@ class ResidualNormFuser(Fuser):
         if not fused:
             return None
         description = " + ".join(f"residual add + {n}" for n in fused) + " -> fused add-norm"
-        return Match(self, type(instance), ResidualDetail(tuple(fused)), source.compile(), description)
+        return ResidualMatch(type(instance), description, source.compile(), tuple(fused))
 
-    def apply(self, root, name, instance, match: Match, quant_config):
+    def fuse(self, name: str, instance: nn.Module, match: ResidualMatch, quant_config) -> nn.Module:
         bind_forward(instance, match.forward)
-        return {}
+        return instance
 
 
 def _add_then_norm(source: ForwardSource, statements: list[ast.stmt], norms: set[str]) -> str | None:

@@ -167,3 +167,13 @@ def replace_node(root: ast.AST, old: ast.AST, new: ast.AST) -> None:
                         value[i] = new
                         return
     raise RewriteError("node to replace not found")
+
+
+def install_fused_layer(
+    instance, originals: tuple[str, ...], fused_name: str, layer, forward: Callable
+) -> None:
+    """Swap ``instance``'s original child layers for one fused layer; bind the rewritten forward."""
+    for child in originals:
+        delattr(instance, child)
+    setattr(instance, fused_name, layer)
+    bind_forward(instance, forward)

@@ -16,7 +16,7 @@ import torch
 from sglang.srt.layers.layernorm import GemmaRMSNorm, RMSNorm
 from torch import nn
 
-from sglang_hf_backend.surgery.fusers import Fuser, FusionContext, Match
+from sglang_hf_backend.surgery.fusers.base import Fuser, FusionContext, Match
 from sglang_hf_backend.surgery.trace import ModuleTrace
 
 
@@ -60,15 +60,15 @@ VARIANTS = (
 
 
 @dataclasses.dataclass(frozen=True)
-class NormDetail:
+class NormMatch(Match):
     variant: NormVariant
     eps_attribute: str
 
 
-class RMSNormFuser(Fuser):
+class RMSNormFuser(Fuser[NormMatch]):
     name = "norm"
 
-    def match(self, trace: ModuleTrace, instance: nn.Module, ctx: FusionContext) -> Match | None:
+    def match(self, trace: ModuleTrace, instance: nn.Module, ctx: FusionContext) -> NormMatch | None:
         params = dict(instance.named_parameters())
         if list(params) != ["weight"] or params["weight"].ndim != 1:
             return None
@@ -77,18 +77,13 @@ class RMSNormFuser(Fuser):
         for eps_attribute in _epsilon_attributes(instance):
             for variant in VARIANTS:
                 if _behaves_like(instance, variant, getattr(instance, eps_attribute)):
-                    ctx.fused_norm_classes.add(type(instance))
                     description = f"{type(instance).__name__} -> SGLang {variant.label}"
-                    return Match(self, type(instance), NormDetail(variant, eps_attribute), None, description)
+                    return NormMatch(type(instance), description, None, variant, eps_attribute)
         return None
 
-    def apply(self, root, name, instance, match: Match, quant_config):
-        detail: NormDetail = match.detail
+    def fuse(self, name: str, instance: nn.Module, match: NormMatch, quant_config) -> nn.Module:
         weight = instance.weight
-        norm = detail.variant.build(weight.shape[0], getattr(instance, detail.eps_attribute), weight.dtype)
-        parent_name, _, child = name.rpartition(".")
-        setattr(root.get_submodule(parent_name) if parent_name else root, child, norm)
-        return {}
+        return match.variant.build(weight.shape[0], getattr(instance, match.eps_attribute), weight.dtype)
 
 
 def _epsilon_attributes(instance: nn.Module) -> list[str]:
