@@ -72,7 +72,9 @@ class CpuSdpaAttnBackend(AttentionBackend):
 
     def init_cpu_graph_state(self, max_bs: int, max_num_token: int) -> None:
         """SGLang's CPU graph runner lands here; the platform refuses that combination up front."""
-        raise ValueError(f"{self.backend_name} keeps no CPU-graph state, so SGLang's CPU graph capture cannot use it.")
+        raise ValueError(
+            f"{self.backend_name} keeps no CPU-graph state, so SGLang's CPU graph capture cannot use it."
+        )
 
     # -- per-batch layout ---------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:

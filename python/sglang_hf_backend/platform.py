@@ -32,6 +32,7 @@ CPU_GRAPH_REFUSAL = (
     "(sglang_hf_backend compiles the decoder layers itself), or drop --enable-torch-compile."
 )
 
+
 def accelerator_present() -> bool:
     """True when torch sees any device SGLang has an in-tree platform for."""
     checks = (

@@ -235,15 +235,20 @@ class WeightLoader:
             loader(param, load.tensor)
 
     def _materialise(self, name: str, param: nn.Parameter) -> nn.Parameter:
-        """Give a parameter left on meta its memory, keeping SGLang's loader attributes."""
         from sglang.srt.utils import get_device
 
         owner_name, _, attr = name.rpartition(".")
-        real = nn.Parameter(torch.empty_like(param, device=get_device()), requires_grad=False)
-        real.__dict__.update(param.__dict__)
+        real = materialised(param, get_device())
         self.model.get_submodule(owner_name)._parameters[attr] = real
         self.params[name] = real
         return real
+
+
+def materialised(param: nn.Parameter, device) -> nn.Parameter:
+    """An uninitialised copy of a meta parameter on ``device``, keeping its loader attributes."""
+    real = nn.Parameter(torch.empty_like(param, device=device), requires_grad=False)
+    real.__dict__.update(param.__dict__)  # SGLang's weight_loader and friends
+    return real
 
 
 def _copy_into(param: nn.Parameter, tensor: torch.Tensor, piece: Piece | None) -> None:

@@ -1,4 +1,9 @@
-"""Session fixtures: one locally trained tokenizer and tiny checkpoints built on demand."""
+"""Session fixtures: one locally trained tokenizer and tiny checkpoints built on demand.
+
+Tests under ``engine/`` start real SGLang engines or servers (or build real assets) and
+are marked ``engine``; ``unit/`` tests run on meta tensors and tiny CPU probes in
+seconds: ``pytest -m "not engine"``.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,14 @@ import pytest
 
 from sglang_hf_backend.testing.checkpoints import build_checkpoint
 from sglang_hf_backend.testing.tokenizer import train_tokenizer
+
+ENGINE_DIR = Path(__file__).parent / "engine"
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        if ENGINE_DIR in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.engine)
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,10 @@ Per prompt: the character-level ROUGE-L F-measure of the two generated texts (SG
 ``calculate_rouge_l``: longest common subsequence over characters) and the largest
 absolute difference between the top-k logprobs at every prompt position (prefill) and
 every generated position (decode). SGLang's thresholds: ROUGE-L 1.0, logprob diff 5e-2.
+
+The F-measure is computed here rather than imported: ``sglang.test.test_utils`` imports
+SGLang's benchmark datasets, which need ``datasets`` (not in the CPU stack), and it scores
+two empty texts 0.0, which would fail parity when both implementations stop at once.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from sglang_hf_backend.surgery.fusers import apply_fusions, declared_packed_modu
 from sglang_hf_backend.surgery.linear import build_linear, is_linear
 from sglang_hf_backend.surgery.tensor_parallel import TPLayout, local_input_features
 from sglang_hf_backend.surgery.trace import ModelTrace
-from sglang_hf_backend.weights import CheckpointNames, Routing, WeightLoader, check_all_loaded
+from sglang_hf_backend.weights import CheckpointNames, Routing, WeightLoader, check_all_loaded, materialised
 
 
 class TransformersBase(nn.Module):
@@ -258,6 +258,4 @@ def materialise_meta_parameters(module: nn.Module, keep_linears_on_meta: bool = 
             continue
         for name, param in list(sub._parameters.items()):
             if param is not None and param.device.type == "meta":
-                sub._parameters[name] = nn.Parameter(
-                    torch.empty_like(param, device=device), requires_grad=False
-                )
+                sub._parameters[name] = materialised(param, device)

@@ -25,6 +25,7 @@ from sglang.srt.layers.linear import (
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+
 class _TensorOutput:
     """Return the output tensor alone, the way ``nn.Linear`` does."""
 

@@ -3,8 +3,11 @@
 Each entry of ``TINY_MODELS`` is a config for one architecture, small enough to build
 in about a second, with the settings that make the architecture special switched on
 (Gemma2's soft-caps and a sliding window shorter than the test prompts, Granite's
-multipliers, GPT-NeoX's partial rotary, ...). Weights come from a fixed seed, so a
-checkpoint is the same in every run.
+multipliers, GPT-NeoX's partial rotary, MoE routers with and without renormalisation
+and a shared expert, ...). Weights come from a fixed seed, so a checkpoint is the same
+in every run. ``save_pretrained`` writes MoE experts one tensor per expert (Mixtral's
+``block_sparse_moe.experts.N.w1``, Qwen's ``experts.N.gate_proj``); the names in
+``STACKED_EXPERTS`` are saved with transformers 5's stacked ``[experts, ...]`` tensors.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ from typing import Callable
 
 import torch
 import transformers
+from safetensors.torch import save_file
 from transformers import AutoModel, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-from sglang_hf_backend.testing.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, train_tokenizer
+from sglang_hf_backend.testing.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 REMOTE_CODE_DIR = Path(__file__).parent / "remote_code"
 
@@ -89,10 +93,31 @@ TINY_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
     ),
     "phi3": _config("Phi3Config", pad_token_id=PAD_ID),
     "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, **_COMMON),
+    # mixture of experts
+    "qwen3_moe": _config(  # renormalised top-k, as the released Qwen3-MoE checkpoints are
+        "Qwen3MoeConfig",
+        head_dim=16,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+    ),
+    "mixtral": _config("MixtralConfig", intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": _config(  # shared expert behind a sigmoid gate, no renormalisation
+        "Qwen2MoeConfig",
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+    ),
+    "olmoe": _config("OlmoeConfig", intermediate_size=32, num_experts=8, num_experts_per_tok=2),
 }
+STACKED_EXPERTS = {"olmoe"}
+# name -> (class, config overrides)
 REMOTE_MODELS = {
-    "remote": "TinyLMForCausalLM",
-    "remote-eager": "TinyLMEagerForCausalLM",
+    "remote": ("TinyLMForCausalLM", {}),
+    "remote-eager": ("TinyLMEagerForCausalLM", {"use_attention_interface": False}),
+    "remote-moe": ("TinyLMForCausalLM", {"num_experts": 4}),  # a router SGLang cannot reproduce
 }
 INCOMPATIBLE_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
     "gptj": lambda: transformers.GPTJConfig(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, **_COMMON),
@@ -120,7 +145,7 @@ def build_checkpoint(name: str, out_dir: str | Path, tokenizer_dir: str | Path, 
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     if name in REMOTE_MODELS:
-        model = _remote_model(REMOTE_MODELS[name], out_dir)
+        model = _remote_model(*REMOTE_MODELS[name], out_dir)
     elif name in ENCODER_MODELS:
         model = AutoModel.from_config(ENCODER_MODELS[name](), dtype=torch.float32)
     else:
@@ -134,79 +159,30 @@ def build_checkpoint(name: str, out_dir: str | Path, tokenizer_dir: str | Path, 
         use_cache=name not in REMOTE_MODELS,  # TinyLM keeps no KV cache
     )
     model.save_pretrained(out_dir)
+    if name in STACKED_EXPERTS:
+        _save_as_modelled(model, out_dir)
     for item in Path(tokenizer_dir).iterdir():
         shutil.copy(item, out_dir / item.name)
     return out_dir
 
 
-def _remote_model(class_name: str, out_dir: Path):
+def _save_as_modelled(model, out_dir: Path) -> None:
+    """Rewrite the weights under the model's own parameter names (stacked experts, no conversion)."""
+    (out_dir / "model.safetensors").unlink()
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _remote_model(class_name: str, overrides: dict, out_dir: Path):
     """Instantiate TinyLM from files copied into the checkpoint, as the hub would ship them."""
     for source in REMOTE_CODE_DIR.glob("*.py"):
         shutil.copy(source, out_dir / source.name)
     config_class = get_class_from_dynamic_module("configuration_tinylm.TinyLMConfig", str(out_dir))
     model_class = get_class_from_dynamic_module(f"modeling_tinylm.{class_name}", str(out_dir))
-    config = config_class(
-        **{k: v for k, v in _COMMON.items() if k != "max_position_embeddings"},
-        use_attention_interface=class_name == "TinyLMForCausalLM",
-    )
+    config = config_class(**{k: v for k, v in _COMMON.items() if k != "max_position_embeddings"}, **overrides)
     config.auto_map = {
         "AutoConfig": "configuration_tinylm.TinyLMConfig",
         "AutoModelForCausalLM": f"modeling_tinylm.{class_name}",
     }
     config.architectures = [class_name]
     return model_class(config).to(torch.float32)
-
-
-def build_tokenizer(out_dir: str | Path) -> Path:
-    train_tokenizer(out_dir)
-    return Path(out_dir)
-
-
-# Random-weight checkpoints for benchmarks: real model shapes, no hub download.
-BENCH_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
-    "llama-0.5b": lambda: transformers.LlamaConfig(
-        vocab_size=32000,
-        hidden_size=1536,
-        intermediate_size=4096,
-        num_hidden_layers=16,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        max_position_embeddings=4096,
-    ),
-    "llama3.1-8b-shape": lambda: transformers.LlamaConfig(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=8192,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-    ),
-    "qwen3-4b-shape": lambda: transformers.Qwen3Config(
-        vocab_size=151936,
-        hidden_size=2560,
-        intermediate_size=9728,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-    ),
-}
-
-
-def build_random_checkpoint(
-    make_config: Callable[[], PretrainedConfig], out_dir: str | Path, seed: int = 0
-) -> Path:
-    """A bf16 random-weight checkpoint of ``make_config()``'s shape (built once, on GPU if any)."""
-    out_dir = Path(out_dir)
-    if (out_dir / "config.json").exists():
-        return out_dir
-    torch.manual_seed(seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(make_config(), dtype=torch.bfloat16)
-    model.save_pretrained(out_dir)
-    return out_dir

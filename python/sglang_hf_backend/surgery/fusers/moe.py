@@ -170,9 +170,7 @@ def identify_routing(router: nn.Module, layout: ExpertLayout, outputs: tuple[str
             expected_ids, expected = reference_topk(logits, top_k, scoring, renormalize, bias)
             scale = _constant_ratio(indices, weights, expected_ids, expected)
             if scale is not None:
-                return Routing(
-                    top_k, scoring, renormalize, scale, weight, _bias_name(probe, bias), outputs
-                )
+                return Routing(top_k, scoring, renormalize, scale, weight, _bias_name(probe, bias), outputs)
     raise _Unmappable(
         f"its router ({type(router).__name__}) chooses experts or weights differently from every "
         "softmax/sigmoid top-k (with or without renormalisation, correction bias or a constant scale)"
@@ -184,7 +182,9 @@ def _probe_router(router: nn.Module, layout: ExpertLayout):
     probe = copy.deepcopy(router)
     generator = torch.Generator().manual_seed(1)
     weight, bias = None, None
-    for name, tensor in list(probe.named_parameters(recurse=False)) + list(probe.named_buffers(recurse=False)):
+    for name, tensor in list(probe.named_parameters(recurse=False)) + list(
+        probe.named_buffers(recurse=False)
+    ):
         value = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
         if tuple(tensor.shape) == (layout.num_experts, layout.hidden_size):
             weight, value = name, value * 0.2
@@ -309,9 +309,13 @@ class MoERouter(nn.Module):
         super().__init__()
         # Same names, so checkpoint tensors load as they are; a correction bias kept as a
         # buffer by HF becomes a parameter, so it loads too.
-        tensors = list(hf_router.named_parameters(recurse=False)) + list(hf_router.named_buffers(recurse=False))
+        tensors = list(hf_router.named_parameters(recurse=False)) + list(
+            hf_router.named_buffers(recurse=False)
+        )
         for name, tensor in tensors:
-            self.register_parameter(name, nn.Parameter(torch.empty_like(tensor, device="meta"), requires_grad=False))
+            self.register_parameter(
+                name, nn.Parameter(torch.empty_like(tensor, device="meta"), requires_grad=False)
+            )
         self.routing = routing
         bias = self._correction_bias()
         self.topk = TopK(

@@ -19,6 +19,8 @@ class TinyLMConfig(PretrainedConfig):
         max_position_embeddings=2048,
         tie_word_embeddings=False,
         use_attention_interface=True,
+        num_experts=0,
+        num_experts_per_tok=2,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -32,4 +34,6 @@ class TinyLMConfig(PretrainedConfig):
         self.rms_norm_eps = rms_norm_eps
         self.max_position_embeddings = max_position_embeddings
         self.use_attention_interface = use_attention_interface
+        self.num_experts = num_experts  # > 0: sparse MoE blocks instead of the MLP
+        self.num_experts_per_tok = num_experts_per_tok
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

@@ -5,6 +5,8 @@ tensor-parallel plan, so serving it with TP exercises plan inference. RoPE frequ
 are computed in forward (a non-persistent buffer would be left uninitialised by
 transformers 5.x ``from_pretrained``). With ``use_attention_interface=False`` in the
 config, a subclass with plain eager attention stands in for incompatible remote code.
+With ``num_experts > 0`` the MLPs are sparse MoE blocks in transformers 5's layout whose
+router squares its top-k probabilities: routing SGLang's TopK cannot reproduce.
 """
 
 import torch
@@ -97,13 +99,61 @@ class TinyLMMLP(nn.Module):
         return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
 
 
+class TinyLMSquaredRouter(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+
+    def forward(self, hidden_states):
+        logits = nn.functional.linear(hidden_states, self.weight)
+        probs, indices = torch.topk(logits.softmax(dim=-1, dtype=torch.float), self.top_k, dim=-1)
+        return logits, (probs * probs).to(logits.dtype), indices
+
+
+class TinyLMExperts(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = config.num_experts
+        size = (config.num_experts, 2 * config.intermediate_size, config.hidden_size)
+        self.gate_up_proj = nn.Parameter(torch.empty(size))
+        self.down_proj = nn.Parameter(
+            torch.empty(config.num_experts, config.hidden_size, config.intermediate_size)
+        )
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for slot in range(top_k_index.shape[-1]):
+            for expert in range(self.num_experts):
+                rows = (top_k_index[:, slot] == expert).nonzero().squeeze(-1)
+                gate, up = nn.functional.linear(hidden_states[rows], self.gate_up_proj[expert]).chunk(
+                    2, dim=-1
+                )
+                y = nn.functional.linear(nn.functional.silu(gate) * up, self.down_proj[expert])
+                out.index_add_(0, rows, y * top_k_weights[rows, slot, None])
+        return out
+
+
+class TinyLMSparseBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate = TinyLMSquaredRouter(config)
+        self.experts = TinyLMExperts(config)
+
+    def forward(self, hidden_states):
+        shape = hidden_states.shape
+        flat = hidden_states.reshape(-1, shape[-1])
+        _, weights, indices = self.gate(flat)
+        return self.experts(flat, indices, weights).reshape(shape)
+
+
 class TinyLMBlock(nn.Module):
     def __init__(self, config, layer_idx):
         super().__init__()
         self.attn_norm = TinyLMRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = TinyLMAttention(config, layer_idx)
         self.mlp_norm = TinyLMRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = TinyLMMLP(config)
+        self.mlp = TinyLMSparseBlock(config) if config.num_experts else TinyLMMLP(config)
 
     def forward(self, hidden_states, position_ids, **kwargs):
         hidden_states = hidden_states + self.attn(self.attn_norm(hidden_states), position_ids, **kwargs)
@@ -117,8 +167,11 @@ class TinyLMPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
 
     def _init_weights(self, module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
+        if isinstance(module, (nn.Linear, nn.Embedding, TinyLMSquaredRouter)):
             nn.init.normal_(module.weight, std=0.02)
+        elif isinstance(module, TinyLMExperts):
+            nn.init.normal_(module.gate_up_proj, std=0.02)
+            nn.init.normal_(module.down_proj, std=0.02)
         elif isinstance(module, TinyLMRMSNorm):
             nn.init.ones_(module.weight)
 

@@ -7,11 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import Server
 from sglang_hf_backend.assets import mmlu_questions, smollm2_checkpoint
 from sglang_hf_backend.evals import mmlu, rouge
+from sglang_hf_backend.testing.engines import Server
 
-SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "mmlu.py"
+SCRIPT = Path(__file__).resolve().parents[4] / "scripts" / "mmlu.py"
 
 
 def run_script(out: Path, *extra: str) -> dict:

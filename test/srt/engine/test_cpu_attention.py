@@ -14,8 +14,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import NEW_TOKENS, PROMPTS, engine_case, hf_greedy, prompt_ids, running_engine
 from sglang_hf_backend.cpu_attention import CpuSdpaAttnBackend
+from sglang_hf_backend.testing.engines import (
+    NEW_TOKENS,
+    PROMPTS,
+    engine_case,
+    hf_greedy,
+    prompt_ids,
+    running_engine,
+)
 
 # (checkpoint, model_impl)
 CASES = [

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import engine_case
+from sglang_hf_backend.testing.engines import engine_case
 
 OURS = "sglang_hf_backend.models.TransformersForCausalLM"
 # architecture -> does SGLang 0.5.23 have a native class for it (on transformers 5.19)?

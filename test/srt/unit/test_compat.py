@@ -40,3 +40,8 @@ def test_unknown_architecture_is_named(checkpoint, tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(IncompatibleModelError, match="Unknown architecture 'MysteryForCausalLM'"):
         sgl.Engine(model_path=str(path), impl="transformers")
+
+
+def test_moe_router_sglang_cannot_reproduce_is_refused_before_start(checkpoint):
+    with pytest.raises(IncompatibleModelError, match="TinyLMSparseBlock is a mixture-of-experts block"):
+        sgl.Engine(model_path=str(checkpoint("remote-moe")), impl="transformers", trust_remote_code=True)

@@ -13,7 +13,7 @@ import psutil
 import pytest
 import requests
 
-from helpers import ENGINE_DEFAULTS, NEW_TOKENS, PROMPTS, Server, running_engine
+from sglang_hf_backend.testing.engines import ENGINE_DEFAULTS, NEW_TOKENS, PROMPTS, Server, running_engine
 
 MODEL = "llama"
 

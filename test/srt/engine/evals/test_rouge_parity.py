@@ -11,7 +11,7 @@ import pytest
 
 from sglang_hf_backend.evals.rouge import max_logprob_diff, rouge_l
 
-SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "rouge_parity.py"
+SCRIPT = Path(__file__).resolve().parents[4] / "scripts" / "rouge_parity.py"
 
 
 def run_script(model: str, impls: str, out: Path) -> tuple[subprocess.CompletedProcess, dict]:

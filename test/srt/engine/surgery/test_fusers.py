@@ -14,10 +14,10 @@ import json
 
 import pytest
 
-from helpers import engine_case, hf_greedy, prompt_ids, running_engine
-from sglang_hf_backend.surgery.fusers import DISABLE_ENV
+from sglang_hf_backend.surgery.fusers import DISABLE_ENV, all_fusers
+from sglang_hf_backend.testing.engines import engine_case, hf_greedy, prompt_ids, running_engine
 
-ALL_OFF = {DISABLE_ENV: "qkv,mlp,norm,residual"}
+ALL_OFF = {DISABLE_ENV: ",".join(fuser.name for fuser in all_fusers())}
 # Architectures with no fusion pattern are served unfused already (test below), so their
 # default runs in test_causal / test_tensor_parallel are the unfused ones.
 UNFUSABLE = ["gpt_neox", "gpt2"]
@@ -45,7 +45,7 @@ def _outputs(path, trust, extra_env, **options):
 
 @pytest.mark.parametrize("name", TP1)
 def test_unfused_matches_hf(checkpoint, name):
-    trust = name == "remote"
+    trust = name.startswith("remote")
     path = checkpoint(name)
     ids, unfused, reports = _outputs(path, trust, ALL_OFF)
     assert unfused == hf_greedy(path, ids, trust)
@@ -54,7 +54,7 @@ def test_unfused_matches_hf(checkpoint, name):
 
 @pytest.mark.parametrize("name", TP2)
 def test_unfused_tp2_matches_hf(checkpoint, name):
-    trust = name == "remote"
+    trust = name.startswith("remote")
     path = checkpoint(name)
     ids, unfused, _ = _outputs(path, trust, ALL_OFF, tp_size=2)
     assert unfused == hf_greedy(path, ids, trust)

@@ -12,7 +12,7 @@ import pytest
 import sglang as sgl
 from transformers import AutoConfig
 
-from helpers import engine_case
+from sglang_hf_backend.testing.engines import engine_case
 
 
 def test_compiled_layers_match_hf(checkpoint):

@@ -1,4 +1,4 @@
-"""Shared test helpers: real engines, HF references, prompts.
+"""Real engines and servers next to HF references, for tests (and anyone checking parity).
 
 Every engine here is a real ``sgl.Engine`` (scheduler subprocesses, paged KV cache) on a
 real checkpoint; the reference is plain transformers ``generate`` in fp32 with eager
@@ -16,6 +16,7 @@ import os
 import tempfile
 from functools import lru_cache
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -58,21 +59,6 @@ def hf_greedy(path: Path, ids_list: list[list[int]], trust_remote_code: bool = F
     return outputs
 
 
-@contextlib.contextmanager
-def env(**values: str):
-    """Set environment variables for what starts inside (SGLang subprocesses inherit them)."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 class RunningEngine:
     """An ``sgl.Engine`` plus the load reports its ranks wrote."""
 
@@ -104,20 +90,13 @@ def running_engine(model_path: Path, extra_env: dict | None = None, **kwargs):
     options = {**ENGINE_DEFAULTS, **kwargs}
     if options.get("tp_size", 1) > 1:
         extra_env = {**TP2_ENV, **(extra_env or {})}
-    with env(**{LOAD_REPORT_ENV: str(report_dir), **(extra_env or {})}):
+    # SGLang's subprocesses inherit the environment as it is while the engine starts.
+    with mock.patch.dict(os.environ, {LOAD_REPORT_ENV: str(report_dir), **(extra_env or {})}):
         engine = sgl.Engine(model_path=str(model_path), **options)
     try:
         yield RunningEngine(engine, report_dir)
     finally:
         engine.shutdown()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Server:
@@ -129,8 +108,9 @@ class Server:
         import time
 
         import requests
+        from sglang.srt.utils.network import get_free_port
 
-        self.port = free_port()
+        self.port = get_free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         command = [
@@ -189,19 +169,21 @@ class EngineCase:
 _CASES: dict[tuple, EngineCase] = {}
 
 
-def engine_case(checkpoint, name: str, impl: str = "transformers", **options) -> EngineCase:
+def engine_case(
+    checkpoint, name: str, impl: str = "transformers", extra_env: dict | None = None, **options
+) -> EngineCase:
     """Run the prompts through an engine, batched and one at a time, next to HF's answer.
 
     Results are kept for the session: tests of different concerns that need the same
     engine (say, our llama at TP=1) share one run instead of starting it again.
     """
-    key = (name, impl, tuple(sorted(options.items())))
+    key = (name, impl, tuple(sorted((extra_env or {}).items())), tuple(sorted(options.items())))
     if key not in _CASES:
-        trust = name == "remote"
+        trust = name.startswith("remote")
         path = checkpoint(name)
         ids = prompt_ids(path, trust)
         reference = hf_greedy(path, ids, trust)
-        with running_engine(path, model_impl=impl, trust_remote_code=trust, **options) as engine:
+        with running_engine(path, extra_env, model_impl=impl, trust_remote_code=trust, **options) as engine:
             batched, single = engine.generate_ids(ids), engine.generate_each(ids)
             reports = engine.load_reports()
         _CASES[key] = EngineCase(name, path, ids, reference, batched, single, reports)

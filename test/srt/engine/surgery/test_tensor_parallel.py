@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import engine_case, running_engine
 from sglang_hf_backend.surgery.tensor_parallel import TensorParallelError
+from sglang_hf_backend.testing.engines import engine_case, running_engine
 
 # architecture -> where its layout comes from
 ARCHITECTURES = {

@@ -12,9 +12,9 @@ import dataclasses
 import pytest
 import sglang as sgl
 
-from helpers import running_engine
 from sglang_hf_backend.assets import smollm2_checkpoint
 from sglang_hf_backend.quantization import TorchaoConfigError
+from sglang_hf_backend.testing.engines import running_engine
 
 TEXTS = [
     "The capital of France is Paris. It is known for the Eiffel Tower and the Louvre museum.",

@@ -1,0 +1,6 @@
+"""Side-by-side benchmark of SGLang native, SGLang's built-in transformers backend, ours and HF.
+
+``presets.py`` says what runs (models, workloads, engine settings), ``workers.py`` measures
+one implementation in a fresh process, ``report.py`` turns interleaved rounds into
+medians, ratios, a markdown table and a chart. ``scripts/bench.py`` is the command line.
+"""

@@ -1,0 +1,354 @@
+"""Measuring one implementation, in a fresh process per measurement.
+
+``run_worker`` starts ``python -m sglang_hf_backend.benchmark.workers`` with the case as
+JSON and reads its result back, so every engine, HF model or server starts clean (and a
+crash becomes an error entry instead of ending the benchmark). Prompts are random token
+ids with a fixed seed per round, so no tokenizer is needed.
+
+Workloads: engine start-up time and peak RSS; offline throughput (N prompts, ignore_eos)
+with its full-batch prefill and decode step; batch-1 decode latency; and, for the SGLang
+implementations, a serving run against ``launch_server`` at fixed concurrency (TTFT,
+TPOT, ITL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from sglang_hf_backend.benchmark.presets import ModelCase, Workload, split_impl
+
+CPU_PLATFORM_ONLY = "sglang_hf_backend_cpu"  # SGLANG_PLUGINS value for "builtin"
+
+
+def prompt_ids(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 1) for _ in range(length)] for _ in range(count)]
+
+
+class PeakRss:
+    """Peak resident memory of this process and its children, sampled in a thread."""
+
+    def __init__(self, interval: float = 0.2):
+        import psutil
+
+        self.process = psutil.Process()
+        self.peak = 0
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _total(self) -> int:
+        total = 0
+        for proc in [self.process, *self.process.children(recursive=True)]:
+            try:
+                total += proc.memory_info().rss
+            except Exception:
+                pass
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._total())
+            time.sleep(self.interval)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, self._total())
+
+
+def measure_engine(spec: str, path: str, case: ModelCase, seed: int) -> dict:
+    import sglang as sgl
+    from transformers import AutoConfig
+
+    impl, overrides = split_impl(spec)
+    vocab = AutoConfig.from_pretrained(path).get_text_config().vocab_size
+    w = case.workload
+    rss = PeakRss()
+    started = time.perf_counter()
+    engine = sgl.Engine(
+        model_path=path,
+        model_impl="sglang" if impl == "native" else "transformers",
+        dtype=case.dtype,
+        skip_tokenizer_init=True,
+        log_level="error",
+        **{**case.engine_args, **overrides},
+    )
+    result = {"startup_s": time.perf_counter() - started}
+    try:
+        # Warm-up covers both shape classes a compiled model specialises on: 1 token and many.
+        started = time.perf_counter()
+        for batch in (2, 1):
+            engine.generate(
+                input_ids=prompt_ids(batch, 16, vocab, seed + 99), sampling_params={"max_new_tokens": 4}
+            )
+        result["warmup_s"] = time.perf_counter() - started
+
+        def offline(ids, new_tokens):
+            sampling = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
+            engine.generate(input_ids=ids, sampling_params=sampling)
+
+        result.update(_offline_metrics(offline, vocab, w, seed))
+        result["latency_ms_per_token"] = _engine_latency(engine, vocab, w, seed)
+    finally:
+        engine.shutdown()
+    result["peak_rss_mb"] = rss.stop() / 2**20
+    return result
+
+
+def _offline_metrics(generate, vocab: int, w: Workload, seed: int) -> dict:
+    """Offline throughput of one batch, and its decode step.
+
+    An untimed prefill of the full batch shape comes first: the first large batch of a
+    process pays a one-time cost (about 1.5 s here) that would bias whichever timed run
+    met it. Then the batch shape runs prefill-only, timed; subtracted from the full run's
+    time it leaves the ``output_len - 1`` decode steps at full batch size. All prompts
+    differ, so no run hits the radix cache.
+    """
+    generate(prompt_ids(w.prompts, w.input_len, vocab, seed + 700), 1)
+    started = time.perf_counter()
+    generate(prompt_ids(w.prompts, w.input_len, vocab, seed + 500), 1)
+    prefill = time.perf_counter() - started
+    started = time.perf_counter()
+    generate(prompt_ids(w.prompts, w.input_len, vocab, seed), w.output_len)
+    elapsed = time.perf_counter() - started
+    return {
+        "offline_output_tok_s": w.prompts * w.output_len / elapsed,
+        "offline_total_tok_s": w.prompts * (w.input_len + w.output_len) / elapsed,
+        "prefill_s": prefill,
+        "decode_step_ms": (elapsed - prefill) / (w.output_len - 1) * 1000,
+    }
+
+
+def _engine_latency(engine, vocab: int, w: Workload, seed: int) -> float:
+    """Batch-1 decode: ms per output token after the first, median of 3 requests."""
+    samples = []
+    for i in range(3):
+        (ids,) = prompt_ids(1, w.latency_input_len, vocab, seed + 1000 + i)
+        started = time.perf_counter()
+        engine.generate(input_ids=ids, sampling_params={"temperature": 0.0, "max_new_tokens": 1})
+        first = time.perf_counter() - started
+        (ids,) = prompt_ids(1, w.latency_input_len, vocab, seed + 2000 + i)
+        started = time.perf_counter()
+        engine.generate(
+            input_ids=ids,
+            sampling_params={"temperature": 0.0, "max_new_tokens": w.latency_output_len, "ignore_eos": True},
+        )
+        total = time.perf_counter() - started
+        samples.append((total - first) / (w.latency_output_len - 1) * 1000)
+    return statistics.median(samples)
+
+
+def measure_hf(path: str, case: ModelCase, seed: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    w = case.workload
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rss = PeakRss()
+    started = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, case.dtype)).to(device).eval()
+    result = {"startup_s": time.perf_counter() - started}
+    vocab = model.config.get_text_config().vocab_size
+
+    def generate(ids, new_tokens):
+        batch = torch.tensor(ids, device=device)
+        with torch.no_grad():
+            model.generate(
+                batch,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                attention_mask=torch.ones_like(batch),
+                pad_token_id=0,
+            )
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    generate(prompt_ids(2, 16, vocab, seed + 99), 4)
+    result.update(_offline_metrics(generate, vocab, w, seed))
+    samples = []
+    for i in range(3):
+        ids = prompt_ids(1, w.latency_input_len, vocab, seed + 1000 + i)
+        started = time.perf_counter()
+        generate(ids, 1)
+        first = time.perf_counter() - started
+        started = time.perf_counter()
+        generate(ids, w.latency_output_len)
+        samples.append((time.perf_counter() - started - first) / (w.latency_output_len - 1) * 1000)
+    result["latency_ms_per_token"] = statistics.median(samples)
+    result["peak_rss_mb"] = rss.stop() / 2**20
+    return result
+
+
+def measure_serving(spec: str, path: str, case: ModelCase, seed: int) -> dict:
+    """launch_server + a streaming client at fixed concurrency (bench_serving-style metrics).
+
+    The client is ours: SGLang's ``sglang.benchmark.serving`` imports its dataset loaders,
+    which need ``datasets`` (not in the CPU stack).
+    """
+    import requests
+    from sglang.srt.utils.network import get_free_port
+    from transformers import AutoConfig
+
+    impl, overrides = split_impl(spec)
+    vocab = AutoConfig.from_pretrained(path).get_text_config().vocab_size
+    w = case.workload
+    port = get_free_port()
+    args = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        path,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        case.dtype,
+        "--skip-tokenizer-init",
+        "--log-level",
+        "error",
+        "--model-impl",
+        "sglang" if impl == "native" else "transformers",
+    ]
+    for key, value in {**case.engine_args, **overrides}.items():
+        flag = f"--{key.replace('_', '-')}"
+        args += [flag] if value is True else [flag, str(value)]
+    log = tempfile.TemporaryFile()
+    server = subprocess.Popen(args, env=impl_env(spec), stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_until_healthy(server, log, url, requests)
+        ids = prompt_ids(w.serving_prompts, w.input_len, vocab, seed)
+        return asyncio.run(_serve_requests(url, ids, w))
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
+        log.close()
+
+
+def _wait_until_healthy(server: subprocess.Popen, log, url: str, requests, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"server exited with {server.returncode}: {log.read().decode()[-2000:]}")
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            time.sleep(1)
+    raise TimeoutError(f"server not healthy after {timeout:.0f} s")
+
+
+async def _serve_requests(url: str, ids: list[list[int]], w: Workload) -> dict:
+    import aiohttp
+
+    semaphore = asyncio.Semaphore(w.serving_concurrency)
+    ttfts, itls, tpots = [], [], []
+
+    async def one(session, prompt):
+        async with semaphore:
+            body = {
+                "input_ids": prompt,
+                "stream": True,
+                "sampling_params": {
+                    "temperature": 0.0,
+                    "max_new_tokens": w.serving_output_len,
+                    "ignore_eos": True,
+                },
+            }
+            started = time.perf_counter()
+            arrivals = []
+            async with session.post(f"{url}/generate", json=body) as reply:
+                async for raw in reply.content:
+                    line = raw.strip()
+                    if line.startswith(b"data:") and line != b"data: [DONE]":
+                        arrivals.append(time.perf_counter())
+            ttfts.append(arrivals[0] - started)
+            itls.extend(b - a for a, b in zip(arrivals, arrivals[1:]))
+            tpots.append((arrivals[-1] - arrivals[0]) / max(1, w.serving_output_len - 1))
+
+    started = time.perf_counter()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        await asyncio.gather(*(one(session, p) for p in ids))
+    elapsed = time.perf_counter() - started
+    return {
+        "serving_req_s": len(ids) / elapsed,
+        "serving_output_tok_s": len(ids) * w.serving_output_len / elapsed,
+        "ttft_ms_median": statistics.median(ttfts) * 1000,
+        "tpot_ms_median": statistics.median(tpots) * 1000,
+        "itl_ms_median": statistics.median(itls) * 1000,
+    }
+
+
+def impl_env(spec: str) -> dict:
+    env = dict(os.environ)
+    if split_impl(spec)[0] == "builtin":
+        env["SGLANG_PLUGINS"] = CPU_PLATFORM_ONLY
+    return env
+
+
+def run_worker(kind: str, impl: str, path: str, case: ModelCase, seed: int) -> dict:
+    """Measure in a fresh process; returns its JSON result (or the error it died with)."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as out:
+        out_path = out.name
+    command = [
+        sys.executable,
+        "-m",
+        __name__,
+        "--kind",
+        kind,
+        "--impl",
+        impl,
+        "--path",
+        path,
+        "--case",
+        json.dumps(dataclasses.asdict(case)),
+        "--seed",
+        str(seed),
+        "--result",
+        out_path,
+    ]
+    done = subprocess.run(command, env=impl_env(impl), capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"error": done.stderr.strip()[-2000:]}
+    return json.loads(Path(out_path).read_text())
+
+
+def main() -> None:
+    """Worker entry point: measure one (kind, implementation, case, seed) and write JSON."""
+    parser = argparse.ArgumentParser()
+    for flag in ("--kind", "--impl", "--path", "--case", "--result"):
+        parser.add_argument(flag, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    raw = json.loads(args.case)
+    case = ModelCase(**{**raw, "workload": Workload(**raw["workload"])})
+    if args.kind == "serving":
+        metrics = measure_serving(args.impl, args.path, case, args.seed)
+    elif split_impl(args.impl)[0] == "hf":
+        metrics = measure_hf(args.path, case, args.seed)
+    else:
+        metrics = measure_engine(args.impl, args.path, case, args.seed)
+    Path(args.result).write_text(json.dumps(metrics))
+
+
+if __name__ == "__main__":
+    main()
