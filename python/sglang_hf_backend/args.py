@@ -64,6 +64,7 @@ def preflight_if_transformers(model_impl: str, options: dict, torchao=None) -> N
             options.get("revision"),
             int(options.get("tp_size") or 1),
             torchao,
+            bool(options.get("is_embedding")),
         )
 
 

@@ -79,3 +79,42 @@ def check_attention_interface(model_class: type[PreTrainedModel]) -> None:
         "calls ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...) and sets "
         "_supports_attention_backend = True."
     )
+
+
+def sglang_backend_class(
+    model_path: str, trust_remote_code: bool, revision: str | None, is_embedding: bool
+) -> str:
+    """The ``Transformers...`` class SGLang will build for this checkpoint (its own resolution)."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.utils import _get_transformers_backend_arch
+
+    config = ModelConfig(
+        model_path,
+        trust_remote_code=trust_remote_code,
+        revision=revision,
+        is_embedding=is_embedding,
+        model_impl="transformers",
+    )
+    return _get_transformers_backend_arch(config, config.hf_config.architectures or [])
+
+
+def backend_task(class_name: str) -> str:
+    """What one of SGLang's transformers-backend class names serves: causal, embedding or classification."""
+    for suffix, task in (
+        ("ForCausalLM", "causal"),
+        ("EmbeddingModel", "embedding"),
+        ("ForSequenceClassification", "classification"),
+    ):
+        if class_name.endswith(suffix):
+            return task
+    raise ValueError(f"{class_name!r} is not one of SGLang's transformers-backend class names")
+
+
+def multimodal_refusal(class_name: str) -> IncompatibleModelError:
+    return IncompatibleModelError(
+        f"SGLang resolved this checkpoint to {class_name}: a multimodal model (images, audio or "
+        "video in). sglang_hf_backend does not serve multimodal models yet. Serve it with SGLang's "
+        "native implementation (model_impl='sglang') if SGLang has one, or with SGLang's built-in "
+        "transformers backend by keeping only this plugin's CPU platform (SGLANG_PLUGINS="
+        "sglang_hf_backend_cpu)."
+    )

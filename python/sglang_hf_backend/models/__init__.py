@@ -1,21 +1,73 @@
 """Model classes that replace SGLang's built-in transformers backend.
 
-They keep SGLang's class names: SGLang resolves the transformers backend to
-``"Transformers" + ["MultiModal"] + ["MoE"] + ("ForCausalLM" | ...)`` and other code keys
-off that prefix. Each class is a base plus capability mixins, one line each.
+SGLang resolves ``impl="transformers"`` to one of twelve names,
+``"Transformers" + ["MultiModal"] + ["MoE"] + ("ForCausalLM" | "EmbeddingModel" |
+"ForSequenceClassification")``, and other SGLang code keys off that prefix, so ours keep
+those names. Each is a base plus capability mixins, one line each. The MoE part of a name
+changes nothing for us (the MoE fuser finds sparse blocks in any model); the mixin reports
+the experts. Multimodal models are refused until their mixin exists.
 """
 
 from sglang_hf_backend.models.base import TransformersBase
 from sglang_hf_backend.models.causal import CausalMixin
 from sglang_hf_backend.models.moe import MoEMixin
+from sglang_hf_backend.models.multimodal import MultiModalRefusal
+from sglang_hf_backend.models.pooling import ClassificationMixin, EmbeddingMixin
 
 
-class TransformersForCausalLM(CausalMixin, TransformersBase):
-    """Any attention-interface HF causal LM, served with SGLang's machinery."""
+class TransformersForCausalLM(CausalMixin, TransformersBase): ...
 
 
-class TransformersMoEForCausalLM(MoEMixin, CausalMixin, TransformersBase):
-    """An HF causal LM whose sparse-MoE blocks run on SGLang's TopK and FusedMoE."""
+class TransformersMoEForCausalLM(MoEMixin, CausalMixin, TransformersBase): ...
 
 
-ENTRY_CLASSES = [TransformersForCausalLM, TransformersMoEForCausalLM]
+class TransformersEmbeddingModel(EmbeddingMixin, TransformersBase): ...
+
+
+class TransformersMoEEmbeddingModel(MoEMixin, EmbeddingMixin, TransformersBase): ...
+
+
+class TransformersForSequenceClassification(ClassificationMixin, TransformersBase): ...
+
+
+class TransformersMoEForSequenceClassification(MoEMixin, ClassificationMixin, TransformersBase): ...
+
+
+class TransformersMultiModalForCausalLM(MultiModalRefusal, CausalMixin, TransformersBase): ...
+
+
+class TransformersMultiModalMoEForCausalLM(MultiModalRefusal, MoEMixin, CausalMixin, TransformersBase): ...
+
+
+class TransformersMultiModalEmbeddingModel(MultiModalRefusal, EmbeddingMixin, TransformersBase): ...
+
+
+class TransformersMultiModalMoEEmbeddingModel(
+    MultiModalRefusal, MoEMixin, EmbeddingMixin, TransformersBase
+): ...
+
+
+class TransformersMultiModalForSequenceClassification(
+    MultiModalRefusal, ClassificationMixin, TransformersBase
+): ...
+
+
+class TransformersMultiModalMoEForSequenceClassification(
+    MultiModalRefusal, MoEMixin, ClassificationMixin, TransformersBase
+): ...
+
+
+ENTRY_CLASSES = [
+    TransformersForCausalLM,
+    TransformersMoEForCausalLM,
+    TransformersEmbeddingModel,
+    TransformersMoEEmbeddingModel,
+    TransformersForSequenceClassification,
+    TransformersMoEForSequenceClassification,
+    TransformersMultiModalForCausalLM,
+    TransformersMultiModalMoEForCausalLM,
+    TransformersMultiModalEmbeddingModel,
+    TransformersMultiModalMoEEmbeddingModel,
+    TransformersMultiModalForSequenceClassification,
+    TransformersMultiModalMoEForSequenceClassification,
+]

@@ -35,8 +35,10 @@ class Analysis:
     fusions: FusionPlan
 
 
-def analyse(config: PretrainedConfig, trust_remote_code: bool, tp_size: int) -> Analysis:
-    hf_class = compat.resolve_hf_class(config, trust_remote_code)
+def analyse(
+    config: PretrainedConfig, trust_remote_code: bool, tp_size: int, task: str = "causal"
+) -> Analysis:
+    hf_class = compat.resolve_hf_class(config, trust_remote_code, task)
     compat.check_attention_interface(hf_class)
     hf_model = build_on_meta(hf_class, without_cpu_padding(config))
     trace = trace_backbone(hf_model)
@@ -46,11 +48,19 @@ def analyse(config: PretrainedConfig, trust_remote_code: bool, tp_size: int) -> 
 
 
 def preflight(
-    model_path: str, trust_remote_code: bool, revision: str | None = None, tp_size: int = 1, torchao=None
+    model_path: str,
+    trust_remote_code: bool,
+    revision: str | None = None,
+    tp_size: int = 1,
+    torchao=None,
+    is_embedding: bool = False,
 ) -> None:
     """Everything checkable before SGLang starts: class, attention gate, TP layout, fusions, quantization."""
+    class_name = compat.sglang_backend_class(model_path, trust_remote_code, revision, is_embedding)
+    if "MultiModal" in class_name:
+        raise compat.multimodal_refusal(class_name)
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code, revision=revision)
-    analysis = analyse(config, trust_remote_code, tp_size)
+    analysis = analyse(config, trust_remote_code, tp_size, compat.backend_task(class_name))
     if torchao is not None:
         backbone = analysis.hf_model.base_model
         torchao.check_group_size(local_input_features(backbone, analysis.tp_layout, tp_size))

@@ -12,6 +12,7 @@ Capability mixins (causal LM head, ...) add their parts on top.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Iterable
 
 import torch
@@ -42,6 +43,7 @@ class TransformersBase(nn.Module):
     # Read by SGLang's quantization configs before the model exists; each instance
     # replaces it with the names its own fusions packed.
     packed_modules_mapping = declared_packed_modules()
+    task: str  # "causal" | "embedding" | "classification", set by the capability mixin
 
     def __init__(self, config: PretrainedConfig, quant_config=None, prefix: str = "") -> None:
         super().__init__()
@@ -51,7 +53,7 @@ class TransformersBase(nn.Module):
         self.tp_size = get_parallel().tp_size
         self.start_layer, self.end_layer = 0, self.text_config.num_hidden_layers
 
-        analysis = analyse(config, get_server_args().trust_remote_code, self.tp_size)
+        analysis = analyse(config, get_server_args().trust_remote_code, self.tp_size, self.task)
         hf_model = analysis.hf_model
         self.hf_class_name = type(hf_model).__name__
         self.backbone_name = hf_model.base_model_prefix
@@ -77,6 +79,9 @@ class TransformersBase(nn.Module):
         materialise_meta_parameters(backbone, keep_linears_on_meta=self.torchao is not None)
         setattr(self, self.backbone_name, backbone)
         self.checkpoint_names = CheckpointNames.of(hf_model)
+        self.position_offset = position_offset(backbone)
+        # Segment ids of sentence pairs (cross-encoder rerank) reach backbones that take them.
+        self.takes_token_type_ids = "token_type_ids" in inspect.signature(backbone.forward).parameters
         self.add_capabilities(hf_model)
         self.log_decisions()
         self.compiled_layers = (
@@ -120,13 +125,18 @@ class TransformersBase(nn.Module):
         input_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states ``[tokens, hidden]`` for a flat batch of tokens."""
+        segments = forward_batch.token_type_ids
+        extra = (
+            {"token_type_ids": segments[None]} if segments is not None and self.takes_token_type_ids else {}
+        )
         outputs = self.backbone(
             input_ids=None if input_embeds is not None else input_ids[None],
             inputs_embeds=None if input_embeds is None else input_embeds[None],
-            position_ids=positions[None],
+            position_ids=positions[None] + self.position_offset,
             use_cache=False,
             return_dict=True,
             forward_batch=forward_batch,
+            **extra,
         )
         return outputs.last_hidden_state[0]
 
@@ -179,6 +189,20 @@ def replace_linears(backbone: nn.Module, layout: TPLayout, tp_size: int, quant_c
         if is_linear(module):
             layer = build_linear(module, layout.placements[name], tp_size, quant_config, prefix=name)
             backbone.set_submodule(name, layer)
+
+
+def position_offset(backbone: nn.Module) -> int:
+    """Where the model numbers a sequence's first token: 0, or RoBERTa's ``padding_idx + 1``.
+
+    RoBERTa-family embeddings derive default positions from the input ids
+    (``create_position_ids_from_input_ids``: ``padding_idx + 1`` onwards for unpadded
+    tokens); SGLang counts from 0, so our positions are shifted to match.
+    """
+    for module in backbone.modules():
+        padding_idx = getattr(module, "padding_idx", None)
+        if hasattr(type(module), "create_position_ids_from_input_ids") and isinstance(padding_idx, int):
+            return padding_idx + 1
+    return 0
 
 
 def replace_input_embedding(backbone: PreTrainedModel) -> None:

@@ -9,8 +9,6 @@ processor to match. Anything else it does is refused rather than served differen
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import math
 
 import torch
@@ -19,13 +17,15 @@ from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, PPProxyTensors
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from sglang_hf_backend.compat import IncompatibleModelError
+from sglang_hf_backend.models.heads import run_head
 
 
 class CausalMixin:
     """Adds the LM head under the HF class's own attribute name (``lm_head``, ...)."""
+
+    task = "causal"
 
     def add_capabilities(self, hf_model: PreTrainedModel) -> None:
         super().add_capabilities(hf_model)
@@ -82,7 +82,8 @@ def measure_head(hf_model: PreTrainedModel, head_name: str) -> float:
     """
     # fp32 whatever the default dtype: the probe measures, it does not serve.
     probe = torch.arange(-32.0, 32.0, dtype=torch.float32).reshape(1, 4, 16)  # has 1.0 and values past caps
-    out = _run_head(hf_model, head_name, probe)
+    ids = torch.zeros(probe.shape[:2], dtype=torch.long)
+    out = run_head(hf_model, probe, ids, replaced={head_name: nn.Identity()}).logits.float()
     softcap = getattr(hf_model.config.get_text_config(), "final_logit_softcapping", None) or None
     at_one = out[probe == 1.0].item()
     scale = softcap * math.atanh(at_one / softcap) if softcap else at_one
@@ -97,53 +98,3 @@ def measure_head(hf_model: PreTrainedModel, head_name: str) -> float:
             "processor cannot reproduce (it supports one constant scale and a final soft-cap)."
         )
     return scale
-
-
-def _run_head(hf_model: PreTrainedModel, head_name: str, hidden: torch.Tensor) -> torch.Tensor:
-    backbone_name = hf_model.base_model_prefix
-    with _swapped(hf_model, {backbone_name: _ProbeBackbone(hidden), head_name: nn.Identity()}):
-        ids = torch.zeros(hidden.shape[:2], dtype=torch.long)
-        return hf_model(input_ids=ids, use_cache=False).logits.float()
-
-
-class _ProbeBackbone(nn.Module):
-    """Stands in for the backbone and anything the head reaches through it.
-
-    Heads call the backbone directly (``self.model(...)``) or a part of it (OPT's
-    ``self.model.decoder(...)``); every attribute the probe lacks is the probe again.
-    """
-
-    def __init__(self, hidden: torch.Tensor):
-        super().__init__()
-        self.hidden = hidden
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return self
-
-    def forward(self, *args, **kwargs) -> "_ProbeOutput":
-        return _ProbeOutput(last_hidden_state=self.hidden)
-
-
-@dataclasses.dataclass
-class _ProbeOutput(BaseModelOutputWithPast):
-    """The backbone output a head reads; extra fields it asks for (MoE router logits) are None."""
-
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return None
-
-
-@contextlib.contextmanager
-def _swapped(module: nn.Module, replacements: dict[str, nn.Module]):
-    saved = {name: getattr(module, name) for name in replacements}
-    try:
-        for name, child in replacements.items():
-            setattr(module, name, child)
-        yield
-    finally:
-        for name, child in saved.items():
-            setattr(module, name, child)

@@ -37,7 +37,9 @@ from sglang_hf_backend.surgery.linear import (
 from sglang_hf_backend.surgery.roles import (
     AttentionRoles,
     attention_roles,
+    child_linears,
     mlp_roles,
+    sink_linears,
     split_parts,
 )
 from sglang_hf_backend.surgery.trace import AttentionCall, ModelTrace, rerun_attention
@@ -149,6 +151,8 @@ def plan_tensor_parallel(backbone: nn.Module, trace: ModelTrace, tp_size: int) -
         mlp = mlp_roles(class_trace, first) if roles is None else None
         if roles is not None:
             local = _attention_layout(first, class_trace, roles, layout, plan, tp_size)
+            if roles.out is None:
+                _place_output_projection_elsewhere(backbone, trace, class_trace.instance, layout)
         elif mlp is not None and not _planned(class_trace.instance, mlp.up + (mlp.down,), plan):
             local = {up: Placement("column", packed=split_parts(class_trace, up)) for up in mlp.up}
             local[mlp.down] = ROW
@@ -195,6 +199,42 @@ def _attention_layout(
         local.update({child: gathered for child in roles.inputs})
         layout.notes.append(f"{type(module).__name__}: attention inputs gathered (its code needs all heads)")
     return local
+
+
+def _place_output_projection_elsewhere(backbone: nn.Module, trace: ModelTrace, instance: str, layout) -> None:
+    """Row-split the projection that consumes attention output in a sibling module.
+
+    BERT-style layers compute attention in one module (``BertSelfAttention``) and project
+    its output in the next one (``BertSelfOutput.dense``); the parent's trace shows the
+    attention module's output flowing into that sibling. Each rank's attention output
+    holds its own heads, so that projection must take a split input.
+    """
+    parent_name, _, attribute = instance.rpartition(".")
+    parent = backbone.get_submodule(parent_name)
+    parent_trace = trace.classes.get(type(parent))
+    calls = parent_trace.module_calls(attribute) if parent_trace is not None else []
+    if parent_trace is None or parent_trace.instance != parent_name or len(calls) != 1:
+        raise _no_output_projection(instance)
+    value = calls[0].outputs[0]
+    for node in parent_trace.consumers(value):
+        sibling = getattr(parent, node.target, None) if node.kind == "module" else None
+        sibling_trace = trace.classes.get(type(sibling))
+        if sibling_trace is None or sibling_trace.instance != f"{parent_name}.{node.target}":
+            continue
+        sinks = sink_linears(sibling_trace, value, child_linears(sibling))
+        if len(sinks) == 1:
+            (projection,) = sinks
+            for name, _ in trace.class_instances[type(sibling)]:
+                layout.placements[f"{name}.{projection}"] = ROW
+            return
+    raise _no_output_projection(instance)
+
+
+def _no_output_projection(instance: str) -> TensorParallelError:
+    return TensorParallelError(
+        f"{instance}: no single projection consumes the attention output, so its per-rank heads "
+        "cannot be joined again; serve this model with tp_size=1."
+    )
 
 
 def _first_call(class_trace) -> AttentionCall:

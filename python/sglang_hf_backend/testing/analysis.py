@@ -10,10 +10,12 @@ from sglang_hf_backend.attention import register_attention_function
 from sglang_hf_backend.models.analysis import Analysis, analyse
 
 
-def analyse_checkpoint(path: Path, trust_remote_code: bool = False, tp_size: int = 1) -> Analysis:
+def analyse_checkpoint(
+    path: Path, trust_remote_code: bool = False, tp_size: int = 1, task: str = "causal"
+) -> Analysis:
     register_attention_function()
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    return analyse(config, trust_remote_code, tp_size)
+    return analyse(config, trust_remote_code, tp_size, task)
 
 
 def class_named(analysis: Analysis, name: str) -> type:

@@ -12,6 +12,7 @@ in every run. ``save_pretrained`` writes MoE experts one tensor per expert (Mixt
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -19,10 +20,16 @@ from typing import Callable
 import torch
 import transformers
 from safetensors.torch import save_file
-from transformers import AutoModel, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    GenerationConfig,
+    PretrainedConfig,
+)
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-from sglang_hf_backend.testing.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
+from sglang_hf_backend.testing.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, with_pair_template
 
 REMOTE_CODE_DIR = Path(__file__).parent / "remote_code"
 
@@ -51,6 +58,11 @@ def _config(class_name: str, **overrides) -> Callable[[], PretrainedConfig]:
 
     return make
 
+
+# renormalised top-k, as the released Qwen3-MoE checkpoints are
+_QWEN3_MOE = dict(
+    head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True
+)
 
 TINY_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
     "llama": _config("LlamaConfig"),
@@ -93,15 +105,17 @@ TINY_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
     ),
     "phi3": _config("Phi3Config", pad_token_id=PAD_ID),
     "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, **_COMMON),
-    # mixture of experts
-    "qwen3_moe": _config(  # renormalised top-k, as the released Qwen3-MoE checkpoints are
-        "Qwen3MoeConfig",
-        head_dim=16,
-        moe_intermediate_size=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
+    # its LM head reaches the backbone's decoder: self.model.decoder(...)
+    "opt": lambda: transformers.OPTConfig(
+        hidden_size=64,
+        ffn_dim=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        word_embed_proj_dim=64,
+        **_COMMON,
     ),
+    # mixture of experts
+    "qwen3_moe": _config("Qwen3MoeConfig", **_QWEN3_MOE),
     "mixtral": _config("MixtralConfig", intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": _config(  # shared expert behind a sigmoid gate, no renormalisation
         "Qwen2MoeConfig",
@@ -121,6 +135,19 @@ REMOTE_MODELS = {
 }
 INCOMPATIBLE_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
     "gptj": lambda: transformers.GPTJConfig(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, **_COMMON),
+    # a vision-language model: SGLang resolves it to a TransformersMultiModal... class
+    "llava": lambda: transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        ),
+        text_config=transformers.LlamaConfig(**_DECODER),
+        image_token_index=VOCAB_SIZE - 1,
+    ),
 }
 
 
@@ -139,15 +166,74 @@ ENCODER_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
 }
 
 
+_BERT = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=128,
+    pad_token_id=PAD_ID,
+)
+# Embedding and classification models: name -> (auto class, config, sentence-transformers pooling).
+# The embedders ship sentence-transformers files (modules.json, 1_Pooling, Normalize).
+POOLING_MODELS: dict[str, tuple[type, Callable[[], PretrainedConfig], str | None]] = {
+    # a decoder embedder in the Qwen3-Embedding layout: last-token pooling, Matryoshka dimensions
+    "qwen3-embedding": (
+        AutoModel,
+        lambda: transformers.Qwen3Config(**{**_DECODER, "head_dim": 16, "is_matryoshka": True}),
+        "pooling_mode_lasttoken",
+    ),
+    "bert-embedding": (
+        AutoModel,
+        lambda: transformers.BertConfig(**_BERT, max_position_embeddings=512),
+        "pooling_mode_mean_tokens",
+    ),
+    "qwen3-classifier": (
+        AutoModelForSequenceClassification,
+        lambda: transformers.Qwen3Config(
+            **{**_DECODER, "head_dim": 16}, id2label={0: "negative", 1: "neutral", 2: "positive"}
+        ),
+        None,
+    ),
+    # RoBERTa numbers positions from padding_idx + 1 and classifies from its first token
+    "roberta-classifier": (
+        AutoModelForSequenceClassification,
+        lambda: transformers.RobertaConfig(**_BERT, max_position_embeddings=514, num_labels=2),
+        None,
+    ),
+    "qwen3_moe-classifier": (
+        AutoModelForSequenceClassification,
+        _config("Qwen3MoeConfig", **_QWEN3_MOE, num_labels=2),
+        None,
+    ),
+    # scores sentence pairs (segment ids 0/1) for /v1/rerank
+    "bert-cross-encoder": (
+        AutoModelForSequenceClassification,
+        lambda: transformers.BertConfig(**_BERT, max_position_embeddings=512, num_labels=1, initializer_range=0.3),
+        None,
+    ),
+    # one score per sequence, as reward models give
+    "llama-reward": (
+        AutoModelForSequenceClassification,
+        lambda: transformers.LlamaConfig(**_DECODER, num_labels=1),
+        None,
+    ),
+}
+
+
 def build_checkpoint(name: str, out_dir: str | Path, tokenizer_dir: str | Path, seed: int = 0) -> Path:
     """Write checkpoint ``name`` (a key of the tables above) to ``out_dir``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
+    if name in POOLING_MODELS:
+        return _pooling_model(name, out_dir, tokenizer_dir)
     if name in REMOTE_MODELS:
         model = _remote_model(*REMOTE_MODELS[name], out_dir)
     elif name in ENCODER_MODELS:
         model = AutoModel.from_config(ENCODER_MODELS[name](), dtype=torch.float32)
+    elif name == "llava":
+        model = transformers.LlavaForConditionalGeneration(INCOMPATIBLE_MODELS[name]())
     else:
         config = {**TINY_MODELS, **INCOMPATIBLE_MODELS}[name]()
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -164,6 +250,41 @@ def build_checkpoint(name: str, out_dir: str | Path, tokenizer_dir: str | Path, 
     for item in Path(tokenizer_dir).iterdir():
         shutil.copy(item, out_dir / item.name)
     return out_dir
+
+
+PAIR_MODELS = {"bert-cross-encoder"}
+
+
+def _pooling_model(name: str, out_dir: Path, tokenizer_dir: str | Path) -> Path:
+    auto_class, make_config, pooling_mode = POOLING_MODELS[name]
+    model = auto_class.from_config(make_config(), dtype=torch.float32)
+    model.save_pretrained(out_dir)
+    if pooling_mode is not None:
+        _write_sentence_transformers_files(out_dir, pooling_mode, model.config.hidden_size)
+    for item in Path(tokenizer_dir).iterdir():
+        shutil.copy(item, out_dir / item.name)
+    if name in PAIR_MODELS:
+        with_pair_template(out_dir)
+    return out_dir
+
+
+def _write_sentence_transformers_files(out_dir: Path, pooling_mode: str, hidden_size: int) -> None:
+    """The files sentence-transformers reads: Transformer -> Pooling -> Normalize."""
+    kinds = [("", "Transformer"), ("1_Pooling", "Pooling"), ("2_Normalize", "Normalize")]
+    modules = [
+        {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+        for i, (path, kind) in enumerate(kinds)
+    ]
+    (out_dir / "modules.json").write_text(json.dumps(modules, indent=1))
+    (out_dir / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": 512, "do_lower_case": False})
+    )
+    (out_dir / "1_Pooling").mkdir(exist_ok=True)
+    modes = ("pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooling_mode_lasttoken")
+    pooling = {"word_embedding_dimension": hidden_size, "include_prompt": True}
+    pooling.update({mode: mode == pooling_mode for mode in modes})
+    (out_dir / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=1))
+    (out_dir / "2_Normalize").mkdir(exist_ok=True)
 
 
 def _save_as_modelled(model, out_dir: Path) -> None:

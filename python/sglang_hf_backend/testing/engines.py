@@ -169,6 +169,12 @@ class EngineCase:
 _CASES: dict[tuple, EngineCase] = {}
 
 
+def _case_key(name: str, impl: str, extra_env: dict | None, options: dict) -> tuple:
+    """Equal for the same engine however its options are spelled (tp_size=1 or left out)."""
+    settings = {"tp_size": 1, **options}
+    return name, impl, tuple(sorted((extra_env or {}).items())), tuple(sorted(settings.items()))
+
+
 def engine_case(
     checkpoint, name: str, impl: str = "transformers", extra_env: dict | None = None, **options
 ) -> EngineCase:
@@ -177,7 +183,7 @@ def engine_case(
     Results are kept for the session: tests of different concerns that need the same
     engine (say, our llama at TP=1) share one run instead of starting it again.
     """
-    key = (name, impl, tuple(sorted((extra_env or {}).items())), tuple(sorted(options.items())))
+    key = _case_key(name, impl, extra_env, options)
     if key not in _CASES:
         trust = name.startswith("remote")
         path = checkpoint(name)
@@ -188,3 +194,52 @@ def engine_case(
             reports = engine.load_reports()
         _CASES[key] = EngineCase(name, path, ids, reference, batched, single, reports)
     return _CASES[key]
+
+
+@dataclasses.dataclass
+class EncodeCase:
+    """What one embedding or classification engine returned for the prompts."""
+
+    name: str
+    path: Path
+    outputs: torch.Tensor  # one row per prompt: an embedding, or classification logits
+    reports: list[dict]
+    shortened: torch.Tensor | None  # embeddings asked for with dimensions=SHORT_DIMENSIONS
+
+
+SHORT_DIMENSIONS = 32
+_ENCODED: dict[tuple, EncodeCase] = {}
+
+
+def encode_case(checkpoint, name: str, matryoshka: bool = False, **options) -> EncodeCase:
+    """``Engine.encode`` of the prompts (batched, different lengths), kept for the session."""
+    key = _case_key(name, "transformers", {"matryoshka": str(matryoshka)}, options)
+    if key not in _ENCODED:
+        path = checkpoint(name)
+        with running_engine(path, impl="transformers", **options) as engine:
+            outputs = torch.tensor([o["embedding"] for o in engine.engine.encode(PROMPTS)])
+            shortened = None
+            if matryoshka:
+                encoded = engine.engine.encode(PROMPTS, dimensions=SHORT_DIMENSIONS)
+                shortened = torch.tensor([o["embedding"] for o in encoded])
+            _ENCODED[key] = EncodeCase(name, path, outputs, engine.load_reports(), shortened)
+    return _ENCODED[key]
+
+
+def hf_classifier_logits(path: Path) -> torch.Tensor:
+    """HF ``AutoModelForSequenceClassification`` logits, fp32, eager, one prompt at a time."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    with torch.no_grad():
+        return torch.cat([model(**tokenizer(p, return_tensors="pt")).logits for p in PROMPTS])
+
+
+def sentence_transformers_embeddings(path: Path) -> torch.Tensor:
+    """What sentence-transformers computes for the prompts from the checkpoint's modules.json."""
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(path), device="cpu").encode(PROMPTS, convert_to_tensor=True).float()

@@ -7,12 +7,13 @@ machine image gives the same vocabulary every time, in about a second.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import sysconfig
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 VOCAB_SIZE = 1024
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
@@ -51,3 +52,18 @@ def train_tokenizer(out_dir: str | Path) -> PreTrainedTokenizerFast:
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(str(out_dir))
     return tokenizer
+
+
+def with_pair_template(directory: str | Path) -> None:
+    """Re-save the tokenizer in ``directory`` to encode sentence pairs as a cross-encoder reads
+    them: ``A <|im_end|> B`` with segment ids 0 for A and the separator, 1 for B."""
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    separator = SPECIAL_TOKENS[EOS_ID]
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A:0", pair=f"$A:0 {separator}:0 $B:1", special_tokens=[(separator, EOS_ID)]
+    )
+    tokenizer.save_pretrained(str(directory))
+    config_file = Path(directory) / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["model_input_names"] = ["input_ids", "token_type_ids", "attention_mask"]
+    config_file.write_text(json.dumps(config, indent=1))

@@ -86,7 +86,7 @@ def test_unsupported_mode_is_refused_clearly():
         req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(1, 8, dtype=torch.int32)),
         token_to_kv_pool=SimpleNamespace(),
     )
-    backend = CpuSdpaAttnBackend(runner)
+    backend = CpuSdpaAttnBackend(runner, "cpu_sdpa")
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     # speculative decoding cannot run on this machine, so its batch is stood in for

@@ -10,12 +10,13 @@ from sglang_hf_backend.testing.analysis import analyse_checkpoint
 
 @pytest.fixture(scope="session")
 def analysis(checkpoint):
-    """``analysis(name, tp_size=1)`` -> the Analysis of that tiny checkpoint (cached per session)."""
-    cache: dict[tuple[str, int], Analysis] = {}
+    """``analysis(name, tp_size=1, task="causal")`` -> that tiny checkpoint's Analysis (cached)."""
+    cache: dict[tuple[str, int, str], Analysis] = {}
 
-    def get(name: str, tp_size: int = 1) -> Analysis:
-        if (name, tp_size) not in cache:
-            cache[name, tp_size] = analyse_checkpoint(checkpoint(name), name.startswith("remote"), tp_size)
-        return cache[name, tp_size]
+    def get(name: str, tp_size: int = 1, task: str = "causal") -> Analysis:
+        if (name, tp_size, task) not in cache:
+            path = checkpoint(name)
+            cache[name, tp_size, task] = analyse_checkpoint(path, name.startswith("remote"), tp_size, task)
+        return cache[name, tp_size, task]
 
     return get

@@ -8,6 +8,7 @@ import shutil
 import pytest
 import sglang as sgl
 
+from sglang_hf_backend import compat
 from sglang_hf_backend.compat import IncompatibleModelError
 
 
@@ -45,3 +46,27 @@ def test_unknown_architecture_is_named(checkpoint, tmp_path):
 def test_moe_router_sglang_cannot_reproduce_is_refused_before_start(checkpoint):
     with pytest.raises(IncompatibleModelError, match="TinyLMSparseBlock is a mixture-of-experts block"):
         sgl.Engine(model_path=str(checkpoint("remote-moe")), impl="transformers", trust_remote_code=True)
+
+
+@pytest.mark.parametrize(
+    ("name", "task"),
+    [
+        ("TransformersMoEForCausalLM", "causal"),
+        ("TransformersEmbeddingModel", "embedding"),
+        ("TransformersMultiModalForSequenceClassification", "classification"),
+    ],
+)
+def test_backend_class_names_say_the_task(name, task):
+    assert compat.backend_task(name) == task
+
+
+def test_each_task_gets_its_hf_class(checkpoint):
+    from transformers import AutoConfig
+
+    classifier = AutoConfig.from_pretrained(checkpoint("qwen3-classifier"))
+    assert (
+        compat.resolve_hf_class(classifier, False, "classification").__name__
+        == "Qwen3ForSequenceClassification"
+    )
+    embedder = AutoConfig.from_pretrained(checkpoint("qwen3-embedding"))
+    assert compat.resolve_hf_class(embedder, False, "embedding").__name__ == "Qwen3Model"

@@ -35,5 +35,5 @@ class TinyLMConfig(PretrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.use_attention_interface = use_attention_interface
         self.num_experts = num_experts  # > 0: sparse MoE blocks instead of the MLP
-        self.num_experts_per_tok = num_experts_per_tok
+        self.num_experts_per_tok = num_experts_per_tok if num_experts else None  # SGLang reads it as "MoE"
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

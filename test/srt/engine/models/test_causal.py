@@ -27,6 +27,7 @@ ARCHITECTURES = {
     "phi3": True,  # packed qkv and gate/up projections
     "gpt2": True,  # Conv1D projections, learned positions, no TP plan
     "llama-mqa": True,  # 4 query heads sharing 1 KV head
+    "opt": True,  # its LM head calls self.model.decoder(...)
 }
 NATIVE = [name for name, native in ARCHITECTURES.items() if native]
 

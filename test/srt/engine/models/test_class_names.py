@@ -1,0 +1,105 @@
+"""The twelve class names SGLang's transformers backend resolves to, and what happens for each.
+
+SGLang builds ``"Transformers" + ["MultiModal"] + ["MoE"] + (ForCausalLM | EmbeddingModel |
+ForSequenceClassification)``. The six text names are served by our classes (SGLang's own
+resolution is checked for each checkpoint, then the engine's load report names the class,
+and outputs are compared with HF); the six multimodal names are refused before any weight
+is read, with the alternatives, until the multimodal mixin exists.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import sglang as sgl
+import torch
+from transformers import AutoConfig
+
+from sglang_hf_backend import compat, plugin
+from sglang_hf_backend.compat import IncompatibleModelError
+from sglang_hf_backend.models import ENTRY_CLASSES
+from sglang_hf_backend.testing.engines import (
+    PROMPTS,
+    encode_case,
+    engine_case,
+    hf_classifier_logits,
+    sentence_transformers_embeddings,
+)
+
+NAMES = [
+    f"Transformers{mm}{moe}{base}"
+    for mm, moe, base in itertools.product(
+        ("", "MultiModal"), ("", "MoE"), ("ForCausalLM", "EmbeddingModel", "ForSequenceClassification")
+    )
+]
+
+
+def hf_last_token_embeddings(path) -> torch.Tensor:
+    """A decoder with no sentence-transformers files pools its last token, normalised."""
+    from transformers import AutoModel, AutoTokenizer
+
+    model = AutoModel.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    with torch.no_grad():
+        last = [model(**tokenizer(p, return_tensors="pt")).last_hidden_state[0, -1] for p in PROMPTS]
+    return torch.nn.functional.normalize(torch.stack(last), dim=-1)
+
+
+# text class name -> (checkpoint, engine arguments, reference for Engine.encode; None: generate)
+SERVED = {
+    "TransformersForCausalLM": ("llama", {}, None),
+    "TransformersMoEForCausalLM": ("qwen3_moe", {}, None),
+    "TransformersEmbeddingModel": ("bert-embedding", {}, sentence_transformers_embeddings),
+    "TransformersMoEEmbeddingModel": ("qwen3_moe", {"is_embedding": True}, hf_last_token_embeddings),
+    "TransformersForSequenceClassification": ("qwen3-classifier", {}, hf_classifier_logits),
+    "TransformersMoEForSequenceClassification": (
+        "qwen3_moe-classifier",
+        {"is_embedding": True},
+        hf_classifier_logits,
+    ),
+}
+
+
+def test_every_name_is_ours_in_sglangs_registry():
+    plugin.register()
+    from sglang.srt.models.registry import ModelRegistry
+
+    assert sorted(cls.__name__ for cls in ENTRY_CLASSES) == sorted(NAMES)
+    for name in NAMES:
+        cls, _ = ModelRegistry.resolve_model_cls([name])
+        assert cls.__module__ == "sglang_hf_backend.models"
+
+
+@pytest.mark.parametrize("name", list(SERVED))
+def test_text_names_are_served_by_our_class(checkpoint, name):
+    model, options, reference = SERVED[name]
+    path = checkpoint(model)
+    assert compat.sglang_backend_class(str(path), False, None, options.get("is_embedding", False)) == name
+    if reference is None:
+        case = engine_case(checkpoint, model, **options)
+        assert case.batched == case.reference
+    else:
+        case = encode_case(checkpoint, model, **options)
+        assert (case.outputs - reference(path)).abs().max() <= 1e-4
+    assert {r["model_class"] for r in case.reports} == {f"sglang_hf_backend.models.{name}"}
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if "MultiModal" in n])
+def test_multimodal_names_refuse_before_building_anything(checkpoint, name):
+    cls = next(c for c in ENTRY_CLASSES if c.__name__ == name)
+    config = AutoConfig.from_pretrained(checkpoint("llava"))
+    with pytest.raises(IncompatibleModelError, match=f"{name}: a multimodal model .* model_impl='sglang'"):
+        cls(config)
+
+
+@pytest.mark.parametrize(
+    ("options", "name"),
+    [
+        ({}, "TransformersMultiModalForCausalLM"),
+        ({"is_embedding": True}, "TransformersMultiModalEmbeddingModel"),
+    ],
+)
+def test_multimodal_checkpoint_is_refused_in_the_launching_process(checkpoint, options, name):
+    with pytest.raises(IncompatibleModelError, match=f"resolved this checkpoint to {name}"):
+        sgl.Engine(model_path=str(checkpoint("llava")), impl="transformers", **options)

@@ -1,0 +1,14 @@
+"""Decisions the wrapper takes from the HF model: where positions start."""
+
+from __future__ import annotations
+
+from sglang_hf_backend.models.base import position_offset
+
+
+def test_roberta_positions_start_after_the_padding_index(analysis):
+    assert position_offset(analysis("roberta-classifier", task="classification").hf_model.base_model) == 1
+
+
+def test_other_models_count_from_zero(analysis):
+    assert position_offset(analysis("llama").hf_model.base_model) == 0
+    assert position_offset(analysis("bert-embedding", task="embedding").hf_model.base_model) == 0
