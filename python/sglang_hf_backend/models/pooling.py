@@ -90,6 +90,10 @@ class EmbeddingMixin:
             ", normalised" if self.pooling.normalize else "",
             self.pooling.source,
         )
+        if not causal or self.pooling.pooling != PoolingType.LAST:
+            keep_prompts_whole(
+                f"{self.pooling.pooling.name} pooling over {'bidirectional' if not causal else 'causal'} attention"
+            )
 
     @torch.no_grad()
     def forward(
@@ -103,6 +107,21 @@ class EmbeddingMixin:
     ) -> EmbeddingPoolerOutput:
         hidden = self.backbone_forward(input_ids, positions, forward_batch, input_embeds)
         return self.pooler(hidden, forward_batch)
+
+
+def keep_prompts_whole(reason: str) -> None:
+    """Turn the radix cache off in this scheduler before it is built.
+
+    A reused prefix skips its tokens' forward pass: right for a decoder read at its last
+    token, wrong when the output needs every token's hidden state or when attention is
+    bidirectional (a cached token's keys depend on tokens after it). The model finds this
+    out while it is built, which SGLang does before it builds the cache.
+    """
+    from sglang.srt.runtime_context import get_context, get_memory
+
+    if not get_memory().disable_radix_cache:
+        get_context().override("sglang_hf_backend", disable_radix_cache=True)
+        diagnostics.decision("radix cache off: %s needs every prompt token computed", reason)
 
 
 def unserved_children(hf_model: PreTrainedModel) -> list[re.Pattern]:
@@ -130,12 +149,24 @@ class ClassificationMixin:
         # names a sentence-transformers activation.
         self.score_activation = get_cross_encoder_activation_function(self.config)
         self.num_labels = self.head_outputs(torch.zeros(1, 2, self.text_config.hidden_size), [1, 2]).shape[-1]
+        if not all(spec.causal for spec in self.attention_layers):
+            keep_prompts_whole("bidirectional attention")
+        elif not self.head_reads_only_the_last_token():
+            keep_prompts_whole(f"{type(hf_model).__name__}'s head reads more than the last token")
         diagnostics.decision(
             "classification: %d label(s) from %s's own head (%s)",
             self.num_labels,
             type(hf_model).__name__,
             ", ".join(self.head_names),
         )
+
+    def head_reads_only_the_last_token(self) -> bool:
+        """Does the head's output ignore every position but the last? (Probed with two inputs.)"""
+        generator = torch.Generator().manual_seed(0)
+        hidden = torch.randn(2, 4, self.text_config.hidden_size, generator=generator)
+        hidden[1, -1] = hidden[0, -1]
+        first, second = (self.head_outputs(h[None], [5, 6, 7, 8]) for h in hidden)
+        return torch.equal(first, second)
 
     def head_outputs(self, hidden: torch.Tensor, input_ids: list[int]) -> torch.Tensor:
         """Logits ``[1, labels]`` for one request's hidden states ``[1, tokens, hidden]``."""

@@ -209,7 +209,9 @@ POOLING_MODELS: dict[str, tuple[type, Callable[[], PretrainedConfig], str | None
     # scores sentence pairs (segment ids 0/1) for /v1/rerank
     "bert-cross-encoder": (
         AutoModelForSequenceClassification,
-        lambda: transformers.BertConfig(**_BERT, max_position_embeddings=512, num_labels=1, initializer_range=0.3),
+        lambda: transformers.BertConfig(
+            **_BERT, max_position_embeddings=512, num_labels=1, initializer_range=0.3
+        ),
         None,
     ),
     # one score per sequence, as reward models give

@@ -89,7 +89,7 @@ def test_text_names_are_served_by_our_class(checkpoint, name):
 def test_multimodal_names_refuse_before_building_anything(checkpoint, name):
     cls = next(c for c in ENTRY_CLASSES if c.__name__ == name)
     config = AutoConfig.from_pretrained(checkpoint("llava"))
-    with pytest.raises(IncompatibleModelError, match=f"{name}: a multimodal model .* model_impl='sglang'"):
+    with pytest.raises(IncompatibleModelError, match=f"{name}: a multimodal model .*model_impl='sglang'"):
         cls(config)
 
 

@@ -19,6 +19,7 @@ from sglang_hf_backend.testing.engines import (
     SHORT_DIMENSIONS,
     encode_case,
     hf_classifier_logits,
+    running_engine,
     sentence_transformers_embeddings,
 )
 
@@ -64,3 +65,14 @@ def test_matryoshka_dimensions_truncate_then_normalise(checkpoint, tp_size):
     expected = torch.nn.functional.normalize(full[:, :SHORT_DIMENSIONS], dim=-1)
     assert case.shortened.shape == (len(PROMPTS), SHORT_DIMENSIONS)
     assert (case.shortened - expected).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["bert-embedding", "roberta-classifier"])
+def test_a_cached_prefix_never_changes_the_output(checkpoint, name):
+    """Bidirectional attention and mean pooling need every prompt token: no radix-cache reuse."""
+    options = MODELS[name][1]
+    expected = encode_case(checkpoint, name, **options).outputs
+    with running_engine(checkpoint(name), impl="transformers", is_embedding=True) as engine:
+        engine.engine.encode([PROMPTS[3][:20]])  # shares a prefix with the last prompt
+        again = torch.tensor([o["embedding"] for o in engine.engine.encode(PROMPTS)])
+    assert (again - expected).abs().max() <= 1e-6

@@ -33,20 +33,22 @@ def start_server(path, tmp_path_factory, *extra: str) -> Server:
 
 
 @pytest.fixture(scope="module")
-def embedder(checkpoint, tmp_path_factory):
-    expected = encode_case(
-        checkpoint, "bert-embedding"
-    ).outputs  # before: an engine's shutdown ends this process's children
+def engine_outputs(checkpoint):
+    """Engine outputs, taken before any server starts: an engine's shutdown ends every child process."""
+    return {name: encode_case(checkpoint, name).outputs for name in ("bert-embedding", "qwen3-classifier")}
+
+
+@pytest.fixture(scope="module")
+def embedder(checkpoint, tmp_path_factory, engine_outputs):
     server = start_server(checkpoint("bert-embedding"), tmp_path_factory, "--is-embedding")
-    yield server, expected
+    yield server, engine_outputs["bert-embedding"]
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def classifier(checkpoint, tmp_path_factory):
-    expected = encode_case(checkpoint, "qwen3-classifier").outputs
+def classifier(checkpoint, tmp_path_factory, engine_outputs):
     server = start_server(checkpoint("qwen3-classifier"), tmp_path_factory)
-    yield server, expected
+    yield server, engine_outputs["qwen3-classifier"]
     server.stop()
 
 
