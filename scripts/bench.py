@@ -60,9 +60,12 @@ def main() -> None:
                 results.append({"model": case.name, "impl": impl, "round": round_index, "metrics": metrics})
                 print(json.dumps(results[-1]), flush=True)
     summary = report.summarise(results)
-    table = report.markdown(summary, impls)
+    measured_on = report.machine()
+    table = report.markdown(summary, impls, measured_on)
     (out / "results.json").write_text(
-        json.dumps({"preset": args.preset, "results": results, "summary": summary}, indent=1)
+        json.dumps(
+            {"preset": args.preset, "machine": measured_on, "results": results, "summary": summary}, indent=1
+        )
     )
     (out / "table.md").write_text(table)
     report.chart(summary, impls, out / "chart.png")

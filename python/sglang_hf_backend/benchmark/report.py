@@ -2,8 +2,31 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import statistics
 from pathlib import Path
+
+
+def machine() -> dict:
+    """What the numbers were measured on: figures from different CPUs do not compare."""
+    import torch
+
+    model = platform.processor() or "unknown"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [
+            line.split(":", 1)[1].strip()
+            for line in cpuinfo.read_text().splitlines()
+            if line.startswith("model name")
+        ]
+        model = names[0] if names else model
+    return {
+        "cpu": model,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cores": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
 
 
 def summarise(results: list[dict]) -> dict:
@@ -43,8 +66,11 @@ METRICS = [
 ]
 
 
-def markdown(summary: dict, impls: list[str]) -> str:
-    lines = []
+def markdown(summary: dict, impls: list[str], measured_on: dict) -> str:
+    on = f"{measured_on['cpu']}, torch CPU capability {measured_on['torch_cpu_capability']}, {measured_on['cores']} cores"
+    if measured_on.get("gpu"):
+        on += f", {measured_on['gpu']}"
+    lines = [f"Measured on: {on}", ""]
     for model, by_impl in summary.items():
         lines += [
             f"**{model}** (median [min-max]; ratio to native; higher is better for tok/s)",

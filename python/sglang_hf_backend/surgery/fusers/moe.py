@@ -156,7 +156,7 @@ def identify_routing(router: nn.Module, layout: ExpertLayout, outputs: tuple[str
         raise _Unmappable(f"its router returns {len(outputs)} tensors, not (logits,) weights and indices")
     probe, weight, bias = _probe_router(router, layout)
     generator = torch.Generator().manual_seed(0)
-    hidden = torch.randn(64, layout.hidden_size, generator=generator)
+    hidden = torch.randn(64, layout.hidden_size, generator=generator, dtype=torch.float32)
     with torch.no_grad():
         returned = probe(hidden)
     returned = dict(zip(outputs, returned if isinstance(returned, tuple) else (returned,)))
@@ -273,11 +273,12 @@ def _sizes(gate_up: torch.Size, down: torch.Size, transposed: bool) -> tuple[int
 def _bank_computes(bank: nn.Module, gate_up: str, down: str, transposed: bool, activation: str) -> bool:
     experts, hidden, inter, tokens, top_k = bank_probe_sizes(bank)
     generator = torch.Generator().manual_seed(2)
-    w13 = torch.randn(experts, 2 * inter, hidden, generator=generator) * 0.3
-    w2 = torch.randn(experts, hidden, inter, generator=generator) * 0.3
-    x = torch.randn(tokens, hidden, generator=generator)
+    fp32 = {"generator": generator, "dtype": torch.float32}  # whatever the serving dtype
+    w13 = torch.randn(experts, 2 * inter, hidden, **fp32) * 0.3
+    w2 = torch.randn(experts, hidden, inter, **fp32) * 0.3
+    x = torch.randn(tokens, hidden, **fp32)
     ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
-    weights = torch.rand(tokens, top_k, generator=generator)
+    weights = torch.rand(tokens, top_k, **fp32)
     probe = copy.deepcopy(bank)
     _set_tensor(probe, gate_up, w13.transpose(1, 2) if transposed else w13)
     _set_tensor(probe, down, w2.transpose(1, 2) if transposed else w2)

@@ -131,3 +131,14 @@ def test_one_experts_tensor_from_a_per_expert_checkpoint():
     route = ExpertRoute("mlp.experts.w13_weight", ("w1", "w3"), transposed=False, num_experts=8)
     (load,) = route.loads(torch.ones(3, 4), Piece(index=5, part=1, parts=2))
     assert (load.param, load.shard_id, load.expert_id) == ("mlp.experts.w13_weight", "w3", 5)
+
+
+def test_identified_whatever_the_serving_dtype(checkpoint):
+    # schedulers build the model under the serving dtype as torch's default
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        plan = analyse_checkpoint(checkpoint("qwen3_moe")).fusions
+    finally:
+        torch.set_default_dtype(previous)
+    assert [m.module_class.__name__ for m in plan.matches_of("moe")] == ["Qwen3MoeSparseMoeBlock"]
