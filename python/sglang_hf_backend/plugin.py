@@ -10,12 +10,13 @@ from __future__ import annotations
 
 def register() -> None:
     """Entry point of ``sglang.srt.plugins``."""
-    from sglang_hf_backend import args, platform
+    from sglang_hf_backend import args, platform, validation
     from sglang_hf_backend.attention import register_attention_function
     from sglang_hf_backend.imports import when_imported
 
     register_attention_function()
     args.install()
+    validation.install()
     if platform.serves_this_machine():
         platform.install_cpu_kernel_fallbacks()
         # The CLI parser is built from the backend choices before SGLang resolves the

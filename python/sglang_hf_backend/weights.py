@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
@@ -270,3 +271,109 @@ def check_all_loaded(loaded: set[str], expected: set[str], tied: set[str]) -> No
             f"{' ...' if len(missing) > 8 else ''}. The checkpoint is incomplete or was saved "
             "for a different config."
         )
+
+
+def check_checkpoint_files(directory: Path, hf_model: PreTrainedModel, names: CheckpointNames) -> None:
+    """The checkpoint's safetensors files against the model, from their headers alone.
+
+    Every file must be readable and as long as its header says; every tensor must belong to
+    a parameter (or be one HF ignores) with that parameter's shape; every parameter must be
+    covered. Run before SGLang starts, so a broken checkpoint fails in seconds, in the
+    caller's process, naming the file and the tensor.
+    """
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        return  # other formats are checked as they load
+    params, duplicates = _parameters(hf_model)
+    covered: dict[str, set] = {}
+    for file in files:
+        for key, shape in read_safetensors_shapes(file).items():
+            name, piece = names.resolve(key)
+            param = next((n for n in _candidates(name, names.base_prefix) if n in params), None)
+            if param is None:
+                if not (
+                    set(_candidates(name, names.base_prefix)) & duplicates
+                    or _hf_ignores(name, hf_model, names)
+                ):
+                    raise CheckpointMismatchError(
+                        f"{file}: tensor {key!r} matches no parameter of {type(hf_model).__name__}; "
+                        "the checkpoint belongs to another architecture or config (check config.json)."
+                    )
+                continue
+            target = params[param] if piece is None else piece.of(params[param])
+            if tuple(target.shape) != shape:
+                raise CheckpointMismatchError(
+                    f"{file}: tensor {key!r} has shape {shape}, but {param}"
+                    f"{' (the slice it fills)' if piece else ''} has shape {tuple(target.shape)}; "
+                    "the checkpoint was saved for a different config."
+                )
+            covered.setdefault(param, set()).add(
+                None if piece is None else (piece.index, piece.part, piece.parts)
+            )
+    missing = [name for name, param in params.items() if not _complete(covered.get(name), param)]
+    if missing:
+        raise CheckpointMismatchError(
+            f"{len(missing)} parameter(s) are in none of {[f.name for f in files]} in {directory}: "
+            f"{missing[:8]}{' ...' if len(missing) > 8 else ''}. The checkpoint is incomplete."
+        )
+
+
+def read_safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes from a safetensors header; a file that is unreadable or cut short is an error."""
+    import json
+    import struct
+
+    size = file.stat().st_size
+    try:
+        with file.open("rb") as stream:
+            (length,) = struct.unpack("<Q", stream.read(8))
+            if length > size - 8:
+                raise ValueError(f"header length {length} exceeds the file")
+            header = json.loads(stream.read(length))
+        end = max((info["data_offsets"][1] for k, info in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, struct.error) as reason:
+        raise CheckpointMismatchError(
+            f"{file} is not a readable safetensors file ({reason}); re-download or re-save the checkpoint."
+        ) from None
+    if size < 8 + length + end:
+        raise CheckpointMismatchError(
+            f"{file} is truncated: {size} bytes, but its header describes {8 + length + end}; "
+            "re-download or re-save the checkpoint."
+        )
+    return {key: tuple(info["shape"]) for key, info in header.items() if key != "__metadata__"}
+
+
+def _parameters(hf_model: PreTrainedModel) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """HF parameters by name, and the names that are only another name of a tied parameter."""
+    params: dict[str, torch.Tensor] = {}
+    duplicates: set[str] = set()
+    seen: set[int] = set()
+    for name, param in hf_model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            duplicates.add(name)
+            continue
+        seen.add(id(param))
+        params[name] = param
+    return params, duplicates
+
+
+def _candidates(name: str, base_prefix: str) -> tuple[str, ...]:
+    """A checkpoint name with and without the backbone prefix (base-model and head checkpoints)."""
+    return name, f"{base_prefix}.{name}", name.removeprefix(f"{base_prefix}.")
+
+
+def _hf_ignores(name: str, hf_model: PreTrainedModel, names: CheckpointNames) -> bool:
+    buffers = {n for n, _ in hf_model.named_buffers()}
+    return bool(set(_candidates(name, names.base_prefix)) & buffers) or any(
+        p.search(name) for p in names.ignore_unexpected
+    )
+
+
+def _complete(pieces: set | None, param: torch.Tensor) -> bool:
+    """Covered whole, or by every (module-list entry, section) piece."""
+    if not pieces:
+        return False
+    if None in pieces:
+        return True
+    index, _, parts = next(iter(pieces))
+    return len(pieces) >= (param.shape[0] if index is not None else 1) * parts

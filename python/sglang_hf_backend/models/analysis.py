@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import re
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -25,6 +27,7 @@ from sglang_hf_backend.surgery.fusers import FusionContext, FusionPlan, plan_fus
 from sglang_hf_backend.surgery.roles import is_expert_bank
 from sglang_hf_backend.surgery.tensor_parallel import TPLayout, local_input_features, plan_tensor_parallel
 from sglang_hf_backend.surgery.trace import ModelTrace, trace_model
+from sglang_hf_backend.weights import CheckpointNames, check_checkpoint_files
 
 
 @dataclasses.dataclass
@@ -55,7 +58,9 @@ def preflight(
     torchao=None,
     is_embedding: bool = False,
 ) -> None:
-    """Everything checkable before SGLang starts: class, attention gate, TP layout, fusions, quantization."""
+    """Everything checkable before SGLang starts: path, class, attention gate, TP layout, fusions,
+    quantization, and the checkpoint's files (from their headers)."""
+    directory = local_checkpoint(model_path)
     class_name = compat.sglang_backend_class(model_path, trust_remote_code, revision, is_embedding)
     if "MultiModal" in class_name:
         raise compat.multimodal_refusal(class_name)
@@ -64,6 +69,23 @@ def preflight(
     if torchao is not None:
         backbone = analysis.hf_model.base_model
         torchao.check_group_size(local_input_features(backbone, analysis.tp_layout, tp_size))
+    if directory is not None:
+        check_checkpoint_files(directory, analysis.hf_model, CheckpointNames.of(analysis.hf_model))
+
+
+def local_checkpoint(model_path: str) -> Path | None:
+    """The checkpoint directory, None for a hub id, or an error naming a path that is not there."""
+    path = Path(model_path).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise FileNotFoundError(f"model path {model_path!r} is a file; pass the checkpoint's directory.")
+    if not _HUB_ID.fullmatch(model_path):
+        raise FileNotFoundError(f"model path {model_path!r} does not exist (no such directory).")
+    return None  # transformers resolves hub ids, and says so when it cannot
+
+
+_HUB_ID = re.compile(r"[\w][\w.-]*(/[\w][\w.-]*)?")
 
 
 def trace_backbone(hf_model: PreTrainedModel) -> ModelTrace:
