@@ -6,7 +6,8 @@ Construction, in order:
 3. give every attention module a RadixAttention with its per-layer settings;
 4. materialise the parameters HF keeps (norms) on the real device;
 5. on CPU with ``--enable-torch-compile``, compile the decoder layers (compilation.py).
-Capability mixins (causal LM head, ...) add their parts on top.
+Capability mixins add their parts on top (``add_capabilities``) and turn the backbone's
+hidden states into the class's output (``output``: logits, embeddings or scores).
 """
 
 from __future__ import annotations
@@ -116,6 +117,21 @@ class TransformersBase(nn.Module):
             spec.sliding_window_size for spec in self.attention_layers if spec.sliding_window_size >= 0
         }
         return max(windows) if windows else None
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        pp_proxy_tensors=None,
+        input_embeds: torch.Tensor | None = None,
+        get_embedding: bool = False,
+    ):
+        """SGLang's model contract: the backbone's hidden states, then what the capability mixin
+        makes of them (``output``: logits, embeddings or scores)."""
+        hidden = self.backbone_forward(input_ids, positions, forward_batch, input_embeds)
+        return self.output(input_ids, hidden, forward_batch)
 
     def backbone_forward(
         self,

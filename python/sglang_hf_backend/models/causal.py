@@ -14,7 +14,7 @@ import math
 import torch
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, PPProxyTensors
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -48,17 +48,9 @@ class CausalMixin:
     def tied_parameters(self) -> set[str]:
         return {f"{self.head_name}.weight"} if self.tie_word_embeddings else set()
 
-    @torch.no_grad()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        forward_batch: ForwardBatch,
-        pp_proxy_tensors: PPProxyTensors | None = None,
-        input_embeds: torch.Tensor | None = None,
-        get_embedding: bool = False,
+    def output(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch
     ) -> LogitsProcessorOutput:
-        hidden = self.backbone_forward(input_ids, positions, forward_batch, input_embeds)
         head = getattr(self, self.head_name)
         return self.logits_processor(input_ids, hidden, head, forward_batch)
 

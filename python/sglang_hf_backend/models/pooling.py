@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from sglang.srt.layers.activation import get_cross_encoder_activation_function
 from sglang.srt.layers.pooler import EmbeddingPoolerOutput, Pooler, PoolingType
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, PPProxyTensors
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.runtime_context import get_server_args
 from transformers import PreTrainedModel
 
@@ -95,17 +95,9 @@ class EmbeddingMixin:
                 f"{self.pooling.pooling.name} pooling over {'bidirectional' if not causal else 'causal'} attention"
             )
 
-    @torch.no_grad()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        forward_batch: ForwardBatch,
-        pp_proxy_tensors: PPProxyTensors | None = None,
-        input_embeds: torch.Tensor | None = None,
-        get_embedding: bool = True,
+    def output(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch
     ) -> EmbeddingPoolerOutput:
-        hidden = self.backbone_forward(input_ids, positions, forward_batch, input_embeds)
         return self.pooler(hidden, forward_batch)
 
 
@@ -174,19 +166,9 @@ class ClassificationMixin:
         ids = torch.tensor([input_ids], device=hidden.device)
         return run_head(self.hf_model, hidden, ids, pooler=pooler).logits
 
-    @torch.no_grad()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        forward_batch: ForwardBatch,
-        pp_proxy_tensors: PPProxyTensors | None = None,
-        input_embeds: torch.Tensor | None = None,
-        get_embedding: bool = True,
+    def output(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch
     ) -> EmbeddingPoolerOutput:
-        if not forward_batch.forward_mode.is_extend():
-            raise ValueError("sequence classification scores prompts; it does not decode")
-        hidden = self.backbone_forward(input_ids, positions, forward_batch, input_embeds)
         lengths = forward_batch.extend_seq_lens_cpu
         logits = [
             self.head_outputs(h[None], ids.tolist())

@@ -153,6 +153,22 @@ class Server:
         return self.process.returncode
 
 
+def ours_server(model_path: Path, log_path: Path, *extra: str) -> Server:
+    """``launch_server --impl transformers`` with the engines' test defaults (fp32, small KV pool)."""
+    args = [
+        "--model-path",
+        str(model_path),
+        "--impl",
+        "transformers",
+        "--dtype",
+        ENGINE_DEFAULTS["dtype"],
+        "--max-total-tokens",
+        str(ENGINE_DEFAULTS["max_total_tokens"]),
+        *extra,
+    ]
+    return Server(args, log_path)
+
+
 @dataclasses.dataclass
 class EngineCase:
     """What one engine produced for one architecture (the engine is shut down again)."""

@@ -13,7 +13,7 @@ import psutil
 import pytest
 import requests
 
-from sglang_hf_backend.testing.engines import ENGINE_DEFAULTS, NEW_TOKENS, PROMPTS, Server, running_engine
+from sglang_hf_backend.testing.engines import NEW_TOKENS, PROMPTS, ours_server, running_engine
 
 MODEL = "llama"
 
@@ -34,17 +34,7 @@ def engine_texts(checkpoint):
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory, engine_texts):
     # engine_texts first: an Engine's shutdown ends every child of this process, a server too.
-    args = [
-        "--model-path",
-        str(checkpoint(MODEL)),
-        "--impl",
-        "transformers",
-        "--dtype",
-        ENGINE_DEFAULTS["dtype"],
-        "--max-total-tokens",
-        str(ENGINE_DEFAULTS["max_total_tokens"]),
-    ]
-    srv = Server(args, tmp_path_factory.mktemp("server") / "server.log")
+    srv = ours_server(checkpoint(MODEL), tmp_path_factory.mktemp("server") / "server.log")
     yield srv
     srv.stop()
 
@@ -99,15 +89,7 @@ def test_generate_matches_engine(server, engine_texts):
 
 
 def test_sigterm_shuts_down_cleanly(checkpoint, tmp_path_factory):
-    args = [
-        "--model-path",
-        str(checkpoint(MODEL)),
-        "--impl",
-        "transformers",
-        "--max-total-tokens",
-        str(ENGINE_DEFAULTS["max_total_tokens"]),
-    ]
-    srv = Server(args, tmp_path_factory.mktemp("server-stop") / "server.log")
+    srv = ours_server(checkpoint(MODEL), tmp_path_factory.mktemp("server-stop") / "server.log")
     children = psutil.Process(srv.process.pid).children(recursive=True)
     assert children, "the server should run scheduler/detokenizer subprocesses"
     code = srv.stop()

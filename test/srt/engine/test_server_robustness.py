@@ -20,7 +20,7 @@ import psutil
 import pytest
 import requests
 
-from sglang_hf_backend.testing.engines import ENGINE_DEFAULTS, PROMPTS, Server, running_engine
+from sglang_hf_backend.testing.engines import PROMPTS, Server, ours_server, running_engine
 
 MODEL = "llama"
 VOCAB = 1024
@@ -125,17 +125,7 @@ def references(checkpoint) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory, references):
-    args = [
-        "--model-path",
-        str(checkpoint(MODEL)),
-        "--impl",
-        "transformers",
-        "--dtype",
-        ENGINE_DEFAULTS["dtype"],
-        "--max-total-tokens",
-        str(ENGINE_DEFAULTS["max_total_tokens"]),
-    ]
-    srv = Server(args, tmp_path_factory.mktemp("robust") / "server.log")
+    srv = ours_server(checkpoint(MODEL), tmp_path_factory.mktemp("robust") / "server.log")
     yield srv
     srv.stop()
 

@@ -12,24 +12,13 @@ import pytest
 import requests
 import torch
 
-from sglang_hf_backend.testing.engines import ENGINE_DEFAULTS, PROMPTS, Server, encode_case
+from sglang_hf_backend.testing.engines import PROMPTS, Server, encode_case, ours_server
 
 BAD_INPUTS = {"empty list": [], "wrong type": 42, "list of numbers and text": [1, "a"]}
 
 
 def start_server(path, tmp_path_factory, *extra: str) -> Server:
-    args = [
-        "--model-path",
-        str(path),
-        "--impl",
-        "transformers",
-        "--dtype",
-        ENGINE_DEFAULTS["dtype"],
-        "--max-total-tokens",
-        str(ENGINE_DEFAULTS["max_total_tokens"]),
-        *extra,
-    ]
-    return Server(args, tmp_path_factory.mktemp("server") / "server.log")
+    return ours_server(path, tmp_path_factory.mktemp("server") / "server.log", *extra)
 
 
 @pytest.fixture(scope="module")
