@@ -76,3 +76,15 @@ def test_a_cached_prefix_never_changes_the_output(checkpoint, name):
         engine.engine.encode([PROMPTS[3][:20]])  # shares a prefix with the last prompt
         again = torch.tensor([o["embedding"] for o in engine.engine.encode(PROMPTS)])
     assert (again - expected).abs().max() <= 1e-6
+
+
+def test_torchao_quantizes_an_embedder(checkpoint):
+    """int8 weight-only on every linear of each rank; the vectors stay close to the fp32 reference."""
+    case = encode_case(checkpoint, "qwen3-embedding", torchao_config="int8wo")
+    (report,) = case.reports
+    assert report["quantized_weight_types"] == ["Int8Tensor"]
+    assert report["quantized_linears"] == 2 * 4  # qkv, o, gate_up, down in each of 2 layers
+    reference = sentence_transformers_embeddings(case.path)
+    cosine = torch.nn.functional.cosine_similarity(case.outputs, reference)
+    print(f"int8wo embeddings vs fp32 sentence-transformers: min cosine {cosine.min():.5f}")
+    assert cosine.min() >= 0.99
