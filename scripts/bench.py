@@ -16,6 +16,7 @@ An SGLang implementation may name an attention backend and/or ask for torch.comp
 Usage:
   python scripts/bench.py --preset cpu [--models smollm2] [--rounds 3] [--out out/bench]
   python scripts/bench.py --preset moe            # random-weight Qwen3-MoE shape, 16 experts
+  python scripts/bench.py --preset lora --impls native,ours   # SmolLM2, 4 adapters mixed vs none
   python scripts/bench.py --preset gpu            # random-weight Llama-3.1-8B / Qwen3-4B shapes
 """
 
@@ -23,11 +24,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 from sglang_hf_backend.benchmark import report
-from sglang_hf_backend.benchmark.presets import IMPLS, PRESETS, SGLANG_IMPLS, checkpoint_path, split_impl
+from sglang_hf_backend.benchmark.presets import (
+    IMPLS,
+    PRESETS,
+    SGLANG_IMPLS,
+    cache_dir,
+    checkpoint_path,
+    split_impl,
+)
 from sglang_hf_backend.benchmark.workers import run_worker
 
 
@@ -47,17 +54,17 @@ def main() -> None:
     cases = [c for c in PRESETS[args.preset] if not args.models or c.name in args.models.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cache = Path(os.environ.get("SGLANG_HF_BACKEND_CACHE", ".cache")) / "bench-models"
+    cache = cache_dir()
     results = []
     for case in cases:
         path = str(checkpoint_path(case.name, cache))
         for round_index in range(args.rounds):
-            for impl in impls:  # interleaved: A B C D, A B C D, ...
+            for impl in [spec for spec in impls if split_impl(spec)[0] in case.impls]:  # A B C D, A B C D
                 metrics = run_worker("engine", impl, path, case, seed=round_index)
                 serves = split_impl(impl)[0] in SGLANG_IMPLS
                 if case.serving and not args.no_serving and serves and "error" not in metrics:
                     metrics.update(run_worker("serving", impl, path, case, seed=round_index))
-                results.append({"model": case.name, "impl": impl, "round": round_index, "metrics": metrics})
+                results.append({"model": case.label, "impl": impl, "round": round_index, "metrics": metrics})
                 print(json.dumps(results[-1]), flush=True)
     summary = report.summarise(results)
     measured_on = report.machine()

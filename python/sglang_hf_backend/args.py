@@ -65,6 +65,8 @@ def preflight_if_transformers(model_impl: str, options: dict, torchao=None) -> N
             int(options.get("tp_size") or 1),
             torchao,
             bool(options.get("is_embedding")),
+            options.get("lora_paths"),
+            options.get("max_lora_rank"),
         )
 
 

@@ -9,18 +9,25 @@ More gaps show where native models launch Triton kernels on any platform but NPU
 SGLang's own CPU engine (final-logit soft-capping for Gemma2, Qwen2-MoE's shared-expert
 gate); ``install_cpu_kernel_fallbacks`` swaps in the same computation in torch. SGLang's
 profiler also asks an out-of-tree platform for its profiler activity (CPU here).
+SGLang's LoRA pins host buffers, which needs a CUDA driver: ``install_pinning_fallback``
+runs those functions with pinning as a no-op (a pinned copy of a CPU tensor is the tensor),
+and the platform serves LoRA with SGLang's ``torch_native`` backend (the others are Triton).
 The platform also picks our batched CPU attention backend (``cpu_attention.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import logging
 import os
 
 import torch
 from sglang.srt.platforms.cpu import CpuDeviceMixin
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
+
+logger = logging.getLogger(__name__)
 
 # The batched CPU attention backend (cpu_attention.py) this platform registers and picks.
 BACKEND_NAME = "cpu_sdpa"
@@ -31,6 +38,8 @@ CPU_GRAPH_REFUSAL = (
     "--enable-torch-compile starts for native models. Serve with --impl transformers "
     "(sglang_hf_backend compiles the decoder layers itself), or drop --enable-torch-compile."
 )
+# SGLang's one LoRA backend written in torch; its default (csgmv) and the others launch Triton.
+LORA_BACKEND = "torch_native"
 
 
 def accelerator_present() -> bool:
@@ -109,6 +118,62 @@ def install_cpu_kernel_fallbacks() -> None:
         HookRegistry.register(target, fallback, HookType.REPLACE)
 
 
+# The LoRA manager's entry points; below them SGLang pins host buffers (LoRA layers, their
+# adapter slots, the torch backend's per-batch segments).
+PINNING_FUNCTIONS = tuple(
+    f"sglang.srt.lora.lora_manager.LoRAManager.{method}"
+    for method in (
+        "__init__",
+        "load_lora_adapter",
+        "load_lora_adapter_from_tensors",
+        "unload_lora_adapter",
+        "prepare_lora_batch",
+    )
+)
+_PINNING_FACTORIES = ("tensor", "empty", "zeros", "ones", "arange")
+
+
+@contextlib.contextmanager
+def pinning_is_a_no_op():
+    """Inside, ``pin_memory`` (method or factory keyword) leaves CPU tensors as they are.
+
+    Pinned memory only speeds up copies to an accelerator; without one, torch raises
+    "Found no NVIDIA driver" instead. Patched process-wide while SGLang's pinning code
+    runs; other threads see the same tensors they would get anyway.
+    """
+    originals = {name: getattr(torch, name) for name in _PINNING_FACTORIES}
+    original_pin = torch.Tensor.pin_memory
+
+    def unpinned(factory):
+        def build(*args, pin_memory=False, **kwargs):
+            return factory(*args, **kwargs)
+
+        return build
+
+    try:
+        for name, factory in originals.items():
+            setattr(torch, name, unpinned(factory))
+        torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+        yield
+    finally:
+        for name, factory in originals.items():
+            setattr(torch, name, factory)
+        torch.Tensor.pin_memory = original_pin
+
+
+def _without_pinning(original, *args, **kwargs):
+    with pinning_is_a_no_op():
+        return original(*args, **kwargs)
+
+
+def install_pinning_fallback() -> None:
+    """Run SGLang's pinning LoRA code with pinning as a no-op (CPU-only machines)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target in PINNING_FUNCTIONS:
+        HookRegistry.register(target, _without_pinning, HookType.AROUND)
+
+
 class HFBackendCpuPlatform(CpuDeviceMixin, SRTPlatform):
     """SGLang on a CPU-only machine, through the out-of-tree platform seam."""
 
@@ -149,6 +214,13 @@ class HFBackendCpuPlatform(CpuDeviceMixin, SRTPlatform):
         uses_cpu_graphs = server_args.enable_torch_compile and server_args.model_impl == "sglang"
         if uses_cpu_graphs and server_args.attention_backend == BACKEND_NAME:
             raise ValueError(CPU_GRAPH_REFUSAL)
+        if (server_args.enable_lora or server_args.lora_paths) and server_args.lora_backend != LORA_BACKEND:
+            logger.info(
+                "LoRA backend %s launches Triton kernels; serving LoRA on the CPU with %s",
+                server_args.lora_backend,
+                LORA_BACKEND,
+            )
+            server_args.lora_backend = LORA_BACKEND
 
 
 def _cpu_kernels_installed() -> bool:

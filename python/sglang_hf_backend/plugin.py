@@ -10,15 +10,17 @@ from __future__ import annotations
 
 def register() -> None:
     """Entry point of ``sglang.srt.plugins``."""
-    from sglang_hf_backend import args, platform, validation
+    from sglang_hf_backend import args, lora, platform, validation
     from sglang_hf_backend.attention import register_attention_function
     from sglang_hf_backend.imports import when_imported
 
     register_attention_function()
     args.install()
     validation.install()
+    lora.install()
     if platform.serves_this_machine():
         platform.install_cpu_kernel_fallbacks()
+        platform.install_pinning_fallback()
         # The CLI parser is built from the backend choices before SGLang resolves the
         # platform (which registers cpu_sdpa itself), so register it here as well.
         platform.register_cpu_attention_backend()

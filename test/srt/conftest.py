@@ -42,3 +42,22 @@ def checkpoint(tmp_path_factory, tokenizer_dir):
         return built[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def adapters(checkpoint, tmp_path_factory):
+    """``adapters(model)`` -> {"attention": path, "mlp": path}: PEFT adapters, built once per model."""
+    from sglang_hf_backend.testing.lora import ADAPTER_TARGETS, build_adapter
+
+    built: dict[str, dict] = {}
+
+    def get(name: str) -> dict:
+        if name not in built:
+            root = tmp_path_factory.mktemp(f"lora-{name}")
+            built[name] = {
+                kind: build_adapter(checkpoint(name), root / kind, targets, seed=i)
+                for i, (kind, targets) in enumerate(ADAPTER_TARGETS.items())
+            }
+        return built[name]
+
+    return get

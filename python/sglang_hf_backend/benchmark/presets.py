@@ -7,6 +7,7 @@ from its pinned wheel (``assets.py``).
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -37,6 +38,13 @@ class ModelCase:
     workload: Workload
     engine_args: dict = dataclasses.field(default_factory=dict)
     serving: bool = True
+    # PEFT adapters served at once and cycled across the batch's requests (0: no LoRA)
+    lora_adapters: int = 0
+    impls: tuple[str, ...] = IMPLS  # the implementations that can run the case
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}+lora{self.lora_adapters}" if self.lora_adapters else self.name
 
 
 CPU_ENGINE_ARGS = {"max_total_tokens": 65536}
@@ -44,6 +52,9 @@ GPU_ENGINE_ARGS = {"attention_backend": "flashinfer", "mem_fraction_static": 0.8
 GPU_WORKLOAD = Workload(
     prompts=256, input_len=1024, output_len=256, serving_prompts=256, serving_concurrency=32
 )
+
+LORA_WORKLOAD = Workload(prompts=32, input_len=128, output_len=32, latency_output_len=32)
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 PRESETS = {
     "cpu": [
@@ -64,6 +75,20 @@ PRESETS = {
             CPU_ENGINE_ARGS,
             serving=False,
         ),
+    ],
+    # the same batch with 4 adapters mixed in it and without adapters; LoRA serving is
+    # SGLang's, so HF and the built-in backend (which cannot apply it) are not in the row
+    "lora": [
+        ModelCase(
+            "smollm2",
+            "bfloat16",
+            LORA_WORKLOAD,
+            CPU_ENGINE_ARGS,
+            serving=False,
+            lora_adapters=lora_adapters,
+            impls=("native", "ours"),
+        )
+        for lora_adapters in (0, 4)
     ],
     "gpu": [
         ModelCase("llama3.1-8b-shape", "bfloat16", GPU_WORKLOAD, GPU_ENGINE_ARGS),
@@ -128,6 +153,24 @@ def checkpoint_path(name: str, cache: Path) -> Path:
 
         return smollm2_checkpoint()
     return build_random_checkpoint(RANDOM_MODELS[name], cache / name)
+
+
+def cache_dir() -> Path:
+    """Where benchmark checkpoints and adapters are built once."""
+    return Path(os.environ.get("SGLANG_HF_BACKEND_CACHE", ".cache")) / "bench-models"
+
+
+def lora_adapter_paths(base: str, count: int, cache: Path) -> dict[str, str]:
+    """``count`` rank-8 PEFT adapters on every projection of ``base`` (built once)."""
+    from sglang_hf_backend.testing.lora import build_adapter
+
+    paths = {}
+    for index in range(count):
+        out_dir = cache / f"{Path(base).name}-lora{index}"
+        if not (out_dir / "adapter_config.json").exists():
+            build_adapter(Path(base), out_dir, LORA_TARGETS, seed=index)
+        paths[f"adapter{index}"] = str(out_dir)
+    return paths
 
 
 def build_random_checkpoint(

@@ -26,7 +26,13 @@ import threading
 import time
 from pathlib import Path
 
-from sglang_hf_backend.benchmark.presets import ModelCase, Workload, split_impl
+from sglang_hf_backend.benchmark.presets import (
+    ModelCase,
+    Workload,
+    cache_dir,
+    lora_adapter_paths,
+    split_impl,
+)
 
 CPU_PLATFORM_ONLY = "sglang_hf_backend_cpu"  # SGLANG_PLUGINS value for "builtin"
 
@@ -78,6 +84,8 @@ def measure_engine(spec: str, path: str, case: ModelCase, seed: int) -> dict:
     impl, overrides = split_impl(spec)
     vocab = AutoConfig.from_pretrained(path).get_text_config().vocab_size
     w = case.workload
+    adapters = lora_adapter_paths(path, case.lora_adapters, cache_dir()) if case.lora_adapters else {}
+    lora = dict(enable_lora=True, lora_paths=adapters, max_lora_rank=8) if adapters else {}
     rss = PeakRss()
     started = time.perf_counter()
     engine = sgl.Engine(
@@ -86,7 +94,7 @@ def measure_engine(spec: str, path: str, case: ModelCase, seed: int) -> dict:
         dtype=case.dtype,
         skip_tokenizer_init=True,
         log_level="error",
-        **{**case.engine_args, **overrides},
+        **{**case.engine_args, **lora, **overrides},
     )
     result = {"startup_s": time.perf_counter() - started}
     try:
@@ -98,12 +106,15 @@ def measure_engine(spec: str, path: str, case: ModelCase, seed: int) -> dict:
             )
         result["warmup_s"] = time.perf_counter() - started
 
+        names = list(adapters)
+
         def offline(ids, new_tokens):
             sampling = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
-            engine.generate(input_ids=ids, sampling_params=sampling)
+            mixed = [names[i % len(names)] for i in range(len(ids))] if names else None
+            engine.generate(input_ids=ids, sampling_params=sampling, lora_path=mixed)
 
         result.update(_offline_metrics(offline, vocab, w, seed))
-        result["latency_ms_per_token"] = _engine_latency(engine, vocab, w, seed)
+        result["latency_ms_per_token"] = _engine_latency(engine, vocab, w, seed, names[0] if names else None)
     finally:
         engine.shutdown()
     result["peak_rss_mb"] = rss.stop() / 2**20
@@ -134,19 +145,22 @@ def _offline_metrics(generate, vocab: int, w: Workload, seed: int) -> dict:
     }
 
 
-def _engine_latency(engine, vocab: int, w: Workload, seed: int) -> float:
+def _engine_latency(engine, vocab: int, w: Workload, seed: int, adapter: str | None = None) -> float:
     """Batch-1 decode: ms per output token after the first, median of 3 requests."""
     samples = []
     for i in range(3):
         (ids,) = prompt_ids(1, w.latency_input_len, vocab, seed + 1000 + i)
         started = time.perf_counter()
-        engine.generate(input_ids=ids, sampling_params={"temperature": 0.0, "max_new_tokens": 1})
+        engine.generate(
+            input_ids=ids, sampling_params={"temperature": 0.0, "max_new_tokens": 1}, lora_path=adapter
+        )
         first = time.perf_counter() - started
         (ids,) = prompt_ids(1, w.latency_input_len, vocab, seed + 2000 + i)
         started = time.perf_counter()
         engine.generate(
             input_ids=ids,
             sampling_params={"temperature": 0.0, "max_new_tokens": w.latency_output_len, "ignore_eos": True},
+            lora_path=adapter,
         )
         total = time.perf_counter() - started
         samples.append((total - first) / (w.latency_output_len - 1) * 1000)

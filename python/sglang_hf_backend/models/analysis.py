@@ -23,7 +23,9 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from sglang_hf_backend import compat
 from sglang_hf_backend.attention import ATTENTION_NAME
+from sglang_hf_backend.lora import preflight_adapters
 from sglang_hf_backend.surgery.fusers import FusionContext, FusionPlan, plan_fusions
+from sglang_hf_backend.surgery.linear import is_linear
 from sglang_hf_backend.surgery.roles import is_expert_bank
 from sglang_hf_backend.surgery.tensor_parallel import TPLayout, local_input_features, plan_tensor_parallel
 from sglang_hf_backend.surgery.trace import ModelTrace, trace_model
@@ -57,9 +59,11 @@ def preflight(
     tp_size: int = 1,
     torchao=None,
     is_embedding: bool = False,
+    lora_paths=None,
+    max_lora_rank: int | None = None,
 ) -> None:
     """Everything checkable before SGLang starts: path, class, attention gate, TP layout, fusions,
-    quantization, and the checkpoint's files (from their headers)."""
+    quantization, the checkpoint's files (from their headers) and the LoRA adapters named."""
     directory = local_checkpoint(model_path)
     class_name = compat.sglang_backend_class(model_path, trust_remote_code, revision, is_embedding)
     if "MultiModal" in class_name:
@@ -71,6 +75,22 @@ def preflight(
         torchao.check_group_size(local_input_features(backbone, analysis.tp_layout, tp_size))
     if directory is not None:
         check_checkpoint_files(directory, analysis.hf_model, CheckpointNames.of(analysis.hf_model))
+    if lora_paths:
+        packed = analysis.fusions.packed_modules_mapping()
+        linears = linear_tp_kinds(analysis.hf_model, analysis.tp_layout)
+        preflight_adapters(
+            lora_paths, linears, packed, type(analysis.hf_model).__name__, max_lora_rank, tp_size
+        )
+
+
+def linear_tp_kinds(hf_model: PreTrainedModel, layout: TPLayout) -> dict[str, str]:
+    """Path (in the HF model) -> TP kind of every linear the backbone's layout places."""
+    prefix = f"{hf_model.base_model_prefix}." if hf_model.base_model_prefix else ""
+    return {
+        f"{prefix}{name}": placement.kind
+        for name, placement in layout.placements.items()
+        if is_linear(hf_model.base_model.get_submodule(name))
+    }
 
 
 def local_checkpoint(model_path: str) -> Path | None:

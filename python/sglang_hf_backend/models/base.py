@@ -30,6 +30,7 @@ from sglang_hf_backend.attention import (
     check_kv_cache_layout,
     layer_spec,
 )
+from sglang_hf_backend.lora import LoRALayers
 from sglang_hf_backend.models.analysis import analyse
 from sglang_hf_backend.surgery.fusers import apply_fusions, declared_packed_modules
 from sglang_hf_backend.surgery.linear import build_linear, is_linear
@@ -38,7 +39,7 @@ from sglang_hf_backend.surgery.trace import ModelTrace
 from sglang_hf_backend.weights import CheckpointNames, Routing, WeightLoader, check_all_loaded, materialised
 
 
-class TransformersBase(nn.Module):
+class TransformersBase(LoRALayers, nn.Module):
     """Serves an HF backbone with SGLang's attention, parallel layers and KV cache."""
 
     # Read by SGLang's quantization configs before the model exists; each instance

@@ -26,33 +26,33 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 
-class _TensorOutput:
+class TensorOutputLinear:
     """Return the output tensor alone, the way ``nn.Linear`` does."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x)[0]
 
 
-class HFReplicatedLinear(_TensorOutput, ReplicatedLinear):
+class HFReplicatedLinear(TensorOutputLinear, ReplicatedLinear):
     pass
 
 
-class HFColumnParallelLinear(_TensorOutput, ColumnParallelLinear):
+class HFColumnParallelLinear(TensorOutputLinear, ColumnParallelLinear):
     pass
 
 
-class HFRowParallelLinear(_TensorOutput, RowParallelLinear):
+class HFRowParallelLinear(TensorOutputLinear, RowParallelLinear):
     pass
 
 
-class HFQKVParallelLinear(_TensorOutput, QKVParallelLinear):
+class HFQKVParallelLinear(TensorOutputLinear, QKVParallelLinear):
     @property
     def split_sizes(self) -> list[int]:
         """This rank's q, k and v widths in the fused output."""
         return [self.q_proj_shard_size, self.kv_proj_shard_size, self.v_proj_shard_size]
 
 
-class HFMergedColumnParallelLinear(_TensorOutput, MergedColumnParallelLinear):
+class HFMergedColumnParallelLinear(TensorOutputLinear, MergedColumnParallelLinear):
     @property
     def split_sizes(self) -> list[int]:
         """This rank's width of each merged projection."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 
+import pytest
 import torch
 
 from sglang_hf_backend import platform
@@ -43,3 +44,21 @@ def test_final_softcap_fallback_matches_sglang_formula():
     logits = torch.linspace(-100, 100, 11)
     expected = 30.0 * torch.tanh(logits / 30.0)
     assert torch.equal(platform.softcap_inplace(logits.clone(), 30.0), expected)
+
+
+def test_pinning_is_a_no_op_only_inside_the_fallback():
+    with pytest.raises(RuntimeError):  # no accelerator: torch cannot pin
+        torch.tensor([1, 2], pin_memory=True)
+    with platform.pinning_is_a_no_op():
+        host = torch.tensor([1, 2], dtype=torch.int32, device="cpu", pin_memory=True)
+        assert torch.equal(host.pin_memory(), host) and torch.empty(3, pin_memory=True).shape == (3,)
+    with pytest.raises(RuntimeError):
+        torch.zeros(2).pin_memory()
+
+
+def test_lora_served_by_the_torch_backend():
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path="unused", enable_lora=True, lora_backend="csgmv")
+    platform.HFBackendCpuPlatform().apply_server_args_defaults(args)
+    assert args.lora_backend == platform.LORA_BACKEND == "torch_native"
