@@ -12,15 +12,19 @@ profiler also asks an out-of-tree platform for its profiler activity (CPU here).
 SGLang's LoRA pins host buffers, which needs a CUDA driver: ``install_pinning_fallback``
 runs those functions with pinning as a no-op (a pinned copy of a CPU tensor is the tensor),
 and the platform serves LoRA with SGLang's ``torch_native`` backend (the others are Triton).
-The platform also picks our batched CPU attention backend (``cpu_attention.py``).
+The platform also picks our batched CPU attention backend (``cpu_attention.py``), and with
+``dtype="auto"`` serves in a type this CPU multiplies natively (bf16 where AMX/AVX512-BF16
+exist, else fp32) instead of a half type torch runs on a slow path here (``cpu_dtype_choice``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import logging
 import os
+from pathlib import Path
 
 import torch
 from sglang.srt.platforms.cpu import CpuDeviceMixin
@@ -221,6 +225,75 @@ class HFBackendCpuPlatform(CpuDeviceMixin, SRTPlatform):
                 LORA_BACKEND,
             )
             server_args.lora_backend = LORA_BACKEND
+        self.choose_dtype(server_args)
+
+    @staticmethod
+    def choose_dtype(server_args) -> None:
+        """Serve in the fastest dtype this CPU computes natively when the user left it to us."""
+        dtype, why = cpu_dtype_choice(
+            server_args.dtype, checkpoint_dtype(server_args.model_path), native_half_dtypes()
+        )
+        if why:
+            (logger.info if dtype != server_args.dtype else logger.warning)("%s", why)
+        server_args.dtype = dtype
+
+
+HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16}
+
+
+def native_half_dtypes() -> set[torch.dtype]:
+    """Half types this CPU multiplies natively (AMX / AVX512-BF16 for bf16, AMX-FP16 for fp16).
+
+    Elsewhere torch's half-precision GEMMs fall to a slow path: measured on an AVX2-only EPYC,
+    bf16 ~1.2 GFLOP/s against ~138 GFLOP/s in fp32.
+    """
+    native = set()
+    if torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported():
+        native.add(torch.bfloat16)
+    if torch.cpu._is_amx_fp16_supported():
+        native.add(torch.float16)
+    return native
+
+
+def checkpoint_dtype(model_path: str) -> torch.dtype | None:
+    """The dtype a local checkpoint's config.json stores (None for a hub id or no entry)."""
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    stored = config.get("dtype") or config.get("torch_dtype")
+    return HALF_DTYPES.get(stored) or (torch.float32 if stored == "float32" else None)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def cpu_dtype_choice(requested: str, stored: torch.dtype | None, native: set[torch.dtype]) -> tuple[str, str]:
+    """(dtype to serve, why) for a ``--dtype`` on this CPU; ``why`` is empty when nothing is said.
+
+    With ``auto`` SGLang serves a half checkpoint as stored and an fp32 one in fp16; where
+    that half type is not native here, bf16 is served if it is native, else fp32.
+    """
+    capability = torch.backends.cpu.get_cpu_capability()
+    if requested == "auto" and stored is not None:
+        target = stored if stored in HALF_DTYPES.values() else torch.float16
+        if target not in native:
+            served = torch.bfloat16 if torch.bfloat16 in native else torch.float32
+            return dtype_name(served), (
+                f"dtype auto: serving in {dtype_name(served)}, not {dtype_name(target)} (what SGLang "
+                f"picks for this {dtype_name(stored)} checkpoint): this CPU (torch capability "
+                f"{capability}) has no native {dtype_name(target)} matmul, and torch runs it many "
+                "times slower"
+            )
+    half = HALF_DTYPES.get(requested)
+    if half is not None and half not in native:
+        return requested, (
+            f"dtype {requested} on a CPU without native {dtype_name(half)} matmul (torch capability "
+            f"{capability}): expect it several times slower than float32 (3.4x at batch 32 on an "
+            "AVX2-only EPYC); dtype=auto picks a native type"
+        )
+    return requested, ""
 
 
 def _cpu_kernels_installed() -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 
 import pytest
 import torch
@@ -62,3 +63,39 @@ def test_lora_served_by_the_torch_backend():
     args = ServerArgs(model_path="unused", enable_lora=True, lora_backend="csgmv")
     platform.HFBackendCpuPlatform().apply_server_args_defaults(args)
     assert args.lora_backend == platform.LORA_BACKEND == "torch_native"
+
+
+def test_native_half_types_follow_the_cpu_flags():
+    flags = set(open("/proc/cpuinfo").read().split())
+    native = platform.native_half_dtypes()
+    assert (torch.bfloat16 in native) == bool({"amx_tile", "avx512_bf16"} & flags)
+    assert (torch.float16 in native) == ("amx_fp16" in flags)
+
+
+@pytest.mark.parametrize(
+    "requested, stored, native, served, says",
+    [
+        ("auto", torch.bfloat16, set(), "float32", "serving in float32, not bfloat16"),
+        ("auto", torch.bfloat16, {torch.bfloat16}, "auto", ""),
+        ("auto", torch.float32, set(), "float32", "not float16 (what SGLang picks for this float32"),
+        ("auto", torch.float32, {torch.bfloat16}, "bfloat16", "no native float16 matmul"),
+        ("auto", torch.float16, {torch.bfloat16, torch.float16}, "auto", ""),
+        ("auto", None, set(), "auto", ""),
+        ("bfloat16", torch.bfloat16, set(), "bfloat16", "expect it several times slower than float32"),
+        ("float16", torch.bfloat16, {torch.bfloat16}, "float16", "without native float16 matmul"),
+        ("float32", torch.bfloat16, set(), "float32", ""),
+    ],
+)
+def test_dtype_by_cpu(requested, stored, native, served, says):
+    dtype, why = platform.cpu_dtype_choice(requested, stored, native)
+    assert dtype == served and (says in why if says else why == "")
+
+
+def test_auto_dtype_on_this_cpu(tmp_path):
+    from sglang.srt.server_args import ServerArgs
+
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
+    assert platform.checkpoint_dtype(str(tmp_path)) == torch.bfloat16
+    args = ServerArgs(model_path=str(tmp_path))
+    platform.HFBackendCpuPlatform.choose_dtype(args)
+    assert args.dtype == ("auto" if torch.bfloat16 in platform.native_half_dtypes() else "float32")
