@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from transformers import AttentionInterface
 
+from sglang_hf_backend.profiling import attention_range
 from sglang_hf_backend.surgery.trace import AttentionCall, active_tracer
 
 ATTENTION_NAME = "sglang_hf_backend"
@@ -63,7 +64,8 @@ def attend(module: nn.Module, query, key, value, forward_batch) -> torch.Tensor:
     k = _local_heads(key, attn.tp_k_head_num)
     v = _local_heads(value, attn.tp_v_head_num)
     tokens = q.shape[0]
-    out = attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1), forward_batch)
+    with attention_range():
+        out = attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1), forward_batch)
     return out.view(1, tokens, attn.tp_q_head_num, attn.v_head_dim)
 
 

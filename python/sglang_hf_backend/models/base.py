@@ -24,7 +24,7 @@ from sglang.srt.utils import get_device
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from sglang_hf_backend import compat, compilation, diagnostics, quantization
+from sglang_hf_backend import compat, compilation, diagnostics, profiling, quantization
 from sglang_hf_backend.attention import (
     attach_radix_attention,
     check_kv_cache_layout,
@@ -131,8 +131,9 @@ class TransformersBase(LoRALayers, nn.Module):
     ):
         """SGLang's model contract: the backbone's hidden states, then what the capability mixin
         makes of them (``output``: logits, embeddings or scores)."""
-        hidden = self.backbone_forward(input_ids, positions, forward_batch, input_embeds)
-        return self.output(input_ids, hidden, forward_batch)
+        with profiling.profiled_step(forward_batch, diagnostics.tp_rank()):
+            hidden = self.backbone_forward(input_ids, positions, forward_batch, input_embeds)
+            return self.output(input_ids, hidden, forward_batch)
 
     def backbone_forward(
         self,

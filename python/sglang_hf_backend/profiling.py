@@ -1,0 +1,104 @@
+"""Where a step's time goes: our model's forward split by kind of work, and the time around it.
+
+With ``SGLANG_HF_BACKEND_PROFILE=<dir>`` every scheduler rank times each forward of its model
+and profiles every other one with torch's profiler (the unprofiled ones give the true wall
+time, the profiled ones the split). Each forward becomes one JSON line in
+``<dir>/rank<r>.jsonl``:
+
+- ``gemm_ms``: self time of matmul ops outside attention;
+- ``attention_ms``: every op inside the RadixAttention call (KV write, gather, SDPA);
+- ``other_ops_ms``: every other op (norms, RoPE, activations, copies, sampling-side logits);
+- ``python_ms``: forward wall time (unprofiled) minus all op time: Python and dispatch;
+- ``outside_ms``: time from the end of the previous forward to the start of this one
+  (scheduler, sampling, detokenizer hand-off), for consecutive steps.
+``scripts/profile_step.py`` runs the workloads and folds the lines into a table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+PROFILE_ENV = "SGLANG_HF_BACKEND_PROFILE"
+ATTENTION_RANGE = "sglang_hf_backend.attention"
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_weight_int8pack_mm"}
+
+
+def attention_range():
+    """A profiler range around one attention call, only while a step is being profiled."""
+    return (
+        torch.profiler.record_function(ATTENTION_RANGE) if _PROFILER.profiling else contextlib.nullcontext()
+    )
+
+
+class StepProfiler:
+    """Times every forward, profiles every other one, writes one JSON line per forward."""
+
+    def __init__(self) -> None:
+        self.directory = os.environ.get(PROFILE_ENV)
+        self.profiling = False
+        self.count = 0
+        self.last_end: float | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.directory)
+
+    @contextlib.contextmanager
+    def step(self, forward_batch, rank: int):
+        self.count += 1
+        self.profiling = self.count % 2 == 0
+        started = time.perf_counter()
+        outside = None if self.last_end is None else (started - self.last_end) * 1000
+        profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        with profile if self.profiling else contextlib.nullcontext():
+            yield
+        ended = time.perf_counter()
+        line = {
+            "step": self.count,
+            "mode": forward_batch.forward_mode.name.lower(),
+            "batch": int(forward_batch.batch_size),
+            "tokens": int(forward_batch.input_ids.numel()),
+            "wall_ms": (ended - started) * 1000,
+            "outside_ms": outside,
+            "profiled": self.profiling,
+        }
+        if self.profiling:
+            line.update(split_ops(profile.events()))
+        self.profiling = False
+        path = Path(self.directory) / f"rank{rank}.jsonl"
+        with path.open("a") as out:
+            out.write(json.dumps(line) + "\n")
+        # the next gap starts after this bookkeeping (reading a profile takes a while)
+        self.last_end = time.perf_counter()
+
+
+def split_ops(events) -> dict[str, float]:
+    """Self CPU time of the recorded ops (ms): matmuls, attention, and everything else."""
+    ranges = [(e.time_range.start, e.time_range.end) for e in events if e.name == ATTENTION_RANGE]
+    totals = {"gemm_ms": 0.0, "attention_ms": 0.0, "other_ops_ms": 0.0}
+    for event in events:
+        if not event.name.startswith("aten::"):
+            continue
+        start = event.time_range.start
+        if any(low <= start < high for low, high in ranges):
+            key = "attention_ms"
+        elif event.name in GEMM_OPS:
+            key = "gemm_ms"
+        else:
+            key = "other_ops_ms"
+        totals[key] += event.self_cpu_time_total / 1000
+    return totals
+
+
+_PROFILER = StepProfiler()
+
+
+def profiled_step(forward_batch, rank: int):
+    """The forward's context: a profiled or timed step when profiling is on, else nothing."""
+    return _PROFILER.step(forward_batch, rank) if _PROFILER.enabled else contextlib.nullcontext()

@@ -1,0 +1,53 @@
+"""The step profile: ops sorted into matmuls, attention and the rest; rows folded per step class."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_hf_backend import profiling
+from sglang_hf_backend.benchmark import step_profile
+
+
+def test_ops_are_split_into_gemm_attention_and_other():
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        a @ b
+        with torch.profiler.record_function(profiling.ATTENTION_RANGE):
+            torch.softmax(a @ b, dim=-1)  # a matmul inside attention counts as attention
+        a + b
+    split = profiling.split_ops(profile.events())
+    assert split["gemm_ms"] > 0 and split["attention_ms"] > 0 and split["other_ops_ms"] > 0
+    names = {e.name for e in profile.events()}
+    assert "aten::mm" in names and "aten::_softmax" in names
+
+
+def test_attention_range_only_while_profiling():
+    assert not profiling._PROFILER.profiling
+    assert not isinstance(profiling.attention_range(), torch.profiler.record_function)
+
+
+def _line(step, mode, batch, profiled, wall, outside=1.0):
+    line = {"step": step, "mode": mode, "batch": batch, "tokens": batch, "wall_ms": wall}
+    line.update(outside_ms=outside, profiled=profiled)
+    if profiled:
+        line.update(gemm_ms=4.0, attention_ms=2.0, other_ops_ms=1.0)
+    return line
+
+
+def test_rows_take_wall_time_from_timed_steps_and_the_split_from_profiled_ones():
+    lines = [_line(i, "decode", 4, i % 2 == 0, wall=10.0 + i) for i in range(1, 6)] + [
+        _line(6, "extend", 4, False, wall=50.0)
+    ]
+    row = step_profile.fold(lines, "decode", 4)
+    assert row["wall_ms"] == 13.0  # median of 11, 13, 15
+    assert row["python_ms"] == 13.0 - 7.0 and row["outside_ms"] == 1.0
+    with pytest.raises(RuntimeError, match="no extend steps at batch 4"):
+        step_profile.fold(lines, "extend", 4)  # one step cannot be both timed and profiled
+
+
+def test_bound_is_the_longer_of_weight_reads_and_flops():
+    machine = step_profile.Machine(bandwidth_gb_s=10.0, gemm_gflop_s=100.0)
+    size = step_profile.ModelSize(weight_bytes=10**9, body_parameters=5 * 10**8, head_parameters=0)
+    assert step_profile.bound_ms(size, tokens=1, requests=1, machine=machine) == pytest.approx(100.0)
+    assert step_profile.bound_ms(size, tokens=100, requests=1, machine=machine) == pytest.approx(1000.0)
