@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from sglang_hf_backend.diagnostics import tp_rank
+
 PROFILE_ENV = "SGLANG_HF_BACKEND_PROFILE"
 ATTENTION_RANGE = "sglang_hf_backend.attention"
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_weight_int8pack_mm"}
@@ -50,7 +52,7 @@ class StepProfiler:
         return bool(self.directory)
 
     @contextlib.contextmanager
-    def step(self, forward_batch, rank: int):
+    def step(self, forward_batch):
         self.count += 1
         self.profiling = self.count % 2 == 0
         started = time.perf_counter()
@@ -71,7 +73,7 @@ class StepProfiler:
         if self.profiling:
             line.update(split_ops(profile.events()))
         self.profiling = False
-        path = Path(self.directory) / f"rank{rank}.jsonl"
+        path = Path(self.directory) / f"rank{tp_rank()}.jsonl"
         with path.open("a") as out:
             out.write(json.dumps(line) + "\n")
         # the next gap starts after this bookkeeping (reading a profile takes a while)
@@ -99,6 +101,7 @@ def split_ops(events) -> dict[str, float]:
 _PROFILER = StepProfiler()
 
 
-def profiled_step(forward_batch, rank: int):
-    """The forward's context: a profiled or timed step when profiling is on, else nothing."""
-    return _PROFILER.step(forward_batch, rank) if _PROFILER.enabled else contextlib.nullcontext()
+def profiled_step(forward_batch):
+    """The forward's context: a profiled or timed step when profiling is on, else nothing
+    (a hot path: nothing else is looked up when profiling is off)."""
+    return _PROFILER.step(forward_batch) if _PROFILER.enabled else contextlib.nullcontext()

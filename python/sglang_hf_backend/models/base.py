@@ -131,7 +131,7 @@ class TransformersBase(LoRALayers, nn.Module):
     ):
         """SGLang's model contract: the backbone's hidden states, then what the capability mixin
         makes of them (``output``: logits, embeddings or scores)."""
-        with profiling.profiled_step(forward_batch, diagnostics.tp_rank()):
+        with profiling.profiled_step(forward_batch):
             hidden = self.backbone_forward(input_ids, positions, forward_batch, input_embeds)
             return self.output(input_ids, hidden, forward_batch)
 
