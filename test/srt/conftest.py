@@ -47,7 +47,7 @@ def checkpoint(tmp_path_factory, tokenizer_dir):
 @pytest.fixture(scope="session")
 def adapters(checkpoint, tmp_path_factory):
     """``adapters(model)`` -> {"attention": path, "mlp": path}: PEFT adapters, built once per model."""
-    from sglang_hf_backend.testing.lora import ADAPTER_TARGETS, build_adapter
+    from sglang_hf_backend.testing.lora import adapter_targets, build_adapter
 
     built: dict[str, dict] = {}
 
@@ -56,7 +56,7 @@ def adapters(checkpoint, tmp_path_factory):
             root = tmp_path_factory.mktemp(f"lora-{name}")
             built[name] = {
                 kind: build_adapter(checkpoint(name), root / kind, targets, seed=i)
-                for i, (kind, targets) in enumerate(ADAPTER_TARGETS.items())
+                for i, (kind, targets) in enumerate(adapter_targets(name).items())
             }
         return built[name]
 

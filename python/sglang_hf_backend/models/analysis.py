@@ -77,20 +77,16 @@ def preflight(
         check_checkpoint_files(directory, analysis.hf_model, CheckpointNames.of(analysis.hf_model))
     if lora_paths:
         packed = analysis.fusions.packed_modules_mapping()
-        linears = linear_tp_kinds(analysis.hf_model, analysis.tp_layout)
-        preflight_adapters(
-            lora_paths, linears, packed, type(analysis.hf_model).__name__, max_lora_rank, tp_size
-        )
+        linears = linear_paths(analysis.hf_model, analysis.tp_layout)
+        preflight_adapters(lora_paths, linears, packed, type(analysis.hf_model).__name__, max_lora_rank)
 
 
-def linear_tp_kinds(hf_model: PreTrainedModel, layout: TPLayout) -> dict[str, str]:
-    """Path (in the HF model) -> TP kind of every linear the backbone's layout places."""
+def linear_paths(hf_model: PreTrainedModel, layout: TPLayout) -> list[str]:
+    """Paths (in the HF model) of the linears the backbone's layout places."""
     prefix = f"{hf_model.base_model_prefix}." if hf_model.base_model_prefix else ""
-    return {
-        f"{prefix}{name}": placement.kind
-        for name, placement in layout.placements.items()
-        if is_linear(hf_model.base_model.get_submodule(name))
-    }
+    return [
+        f"{prefix}{name}" for name in layout.placements if is_linear(hf_model.base_model.get_submodule(name))
+    ]
 
 
 def local_checkpoint(model_path: str) -> Path | None:

@@ -15,11 +15,19 @@ import torch
 
 from sglang_hf_backend.testing.engines import GREEDY, NEW_TOKENS, prompt_ids, running_engine
 
-# name -> PEFT target modules; "attention" leaves k_proj out (SGLang fills it with zeros)
+# adapter name -> PEFT target modules, by HF naming: "attention" leaves k_proj out (a fused
+# q/k/v layer gets zeros for it); GPT-2's bare "c_proj" is in attention and in the MLP
 ADAPTER_TARGETS = {
     "attention": ["q_proj", "v_proj", "o_proj"],
     "mlp": ["gate_proj", "up_proj", "down_proj", "k_proj"],
 }
+GPT2_ADAPTER_TARGETS = {"attention": ["c_attn", "c_proj"], "mlp": ["c_fc", "mlp.c_proj"]}
+
+
+def adapter_targets(model: str) -> dict[str, list[str]]:
+    return GPT2_ADAPTER_TARGETS if model == "gpt2" else ADAPTER_TARGETS
+
+
 RANK = 8
 LORA_SCALE = 0.1  # std of the random A/B entries: large enough to change greedy tokens
 

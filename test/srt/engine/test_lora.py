@@ -2,7 +2,9 @@
 
 Each engine serves two PEFT adapters (one on attention, one on the MLP); a batch mixes
 both and a request without an adapter, and every request must give the tokens HF + PEFT
-give for its own adapter. Native SGLang runs the same case on the CPU platform's LoRA path.
+give for its own adapter: fused and unfused q/k/v and gate/up, GPT-2's own names (its
+``transformer.h`` layers, ``c_proj`` in attention and MLP, the whole-layer ``c_attn``), TP=2.
+Native SGLang runs the same case on the CPU platform's LoRA path.
 """
 
 from __future__ import annotations
@@ -15,21 +17,25 @@ from sglang_hf_backend import assets
 from sglang_hf_backend.testing.lora import build_adapter, lora_case
 
 PER_PROMPT = ["attention", "mlp", None, "attention"]
+UNFUSED = {"SGLANG_HF_BACKEND_DISABLE_FUSIONS": "qkv,mlp"}
+# case -> (model, engine options); GPT-2 at TP=1 lets "--lora-target-modules all" find its linears
 CASES = {
-    "llama-tp1": ("llama", "transformers", 1),
-    "qwen3-tp1": ("qwen3", "transformers", 1),
-    "llama-tp2": ("llama", "transformers", 2),
-    "llama-native": ("llama", "sglang", 1),
+    "llama-tp1": ("llama", {}),
+    "qwen3-tp1": ("qwen3", {}),
+    "llama-tp2": ("llama", {"tp_size": 2}),
+    "llama-unfused-tp1": ("llama", {"extra_env": UNFUSED}),
+    "gpt2-tp1-all-targets": ("gpt2", {"lora_target_modules": ["all"]}),
+    "gpt2-tp2": ("gpt2", {"tp_size": 2}),
+    "llama-native": ("llama", {"model_impl": "sglang"}),
 }
 _RESULTS: dict = {}
 
 
 def served(case: str, checkpoint, adapters):
     if case not in _RESULTS:
-        name, impl, tp = CASES[case]
-        _RESULTS[case] = lora_case(
-            checkpoint(name), adapters(name), PER_PROMPT, model_impl=impl, tp_size=tp, max_lora_rank=8
-        )
+        name, options = CASES[case]
+        options = {"model_impl": "transformers", "max_lora_rank": 8, **options}
+        _RESULTS[case] = lora_case(checkpoint(name), adapters(name), PER_PROMPT, **options)
     return _RESULTS[case]
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import sglang as sgl
 import torch
@@ -12,86 +10,101 @@ from torch import nn
 
 from sglang_hf_backend import lora
 from sglang_hf_backend.lora import LoRAAdapterRefused
-from sglang_hf_backend.testing.lora import build_adapter
 
-# path -> TP kind at TP=2, as the layout places Llama's linears
-LLAMA_LINEARS = {
-    f"model.layers.{i}.{name}": kind
+LLAMA_LINEARS = [
+    f"model.layers.{i}.{name}"
     for i in range(2)
-    for name, kind in (
-        ("self_attn.q_proj", "column"),
-        ("self_attn.k_proj", "column"),
-        ("self_attn.v_proj", "column"),
-        ("self_attn.o_proj", "row"),
-        ("mlp.down_proj", "row"),
+    for name in (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.down_proj",
     )
-}
+]
+GPT2_LINEARS = [
+    f"transformer.h.{i}.{name}"
+    for i in range(2)
+    for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+]
 QKV = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+
+
+def names_of(linears: list[str], packed: dict) -> lora.LoRANames:
+    return lora.LoRANames.of(lora.served_after_fusion(linears, packed), packed)
 
 
 def test_fused_parts_are_served_under_the_fused_name():
     served = lora.served_after_fusion(LLAMA_LINEARS, QKV)
-    assert list(served)[:3] == [
+    assert served[:3] == [
         "model.layers.0.self_attn.qkv_proj",
         "model.layers.0.self_attn.o_proj",
         "model.layers.0.mlp.down_proj",
     ]
-    assert served["model.layers.1.self_attn.qkv_proj"] == "column" and len(served) == 6
+    assert len(served) == 6
+
+
+def test_peft_targets_name_the_fused_layer_or_the_unfused_part():
+    fused, unfused = names_of(LLAMA_LINEARS, QKV), names_of(LLAMA_LINEARS, {})
+    assert fused.target_names(["q_proj", "k_proj", "o_proj"], sglang_names=None) == {"qkv_proj", "o_proj"}
+    assert unfused.target_names(["q_proj", "k_proj", "o_proj"], sglang_names=None) == {
+        "q_proj",
+        "k_proj",
+        "o_proj",
+    }
+    assert fused.layer_id("base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight") == 1
+
+
+def test_gpt2_names_tell_attention_and_mlp_projections_apart():
+    names = names_of(GPT2_LINEARS, {})
+    assert names.layer_list == "transformer.h"
+    assert sorted(set(names.names.values())) == ["attn.c_proj", "c_attn", "c_fc", "mlp.c_proj"]
+    assert names.target_names(["c_proj"], sglang_names=None) == {"attn.c_proj", "mlp.c_proj"}
+    assert names.target_names(["mlp.c_proj", "c_attn"], sglang_names=None) == {"mlp.c_proj", "c_attn"}
+    assert names.layer_id("base_model.model.transformer.h.1.mlp.c_fc.lora_B.weight") == 1
+    assert names.layer_id("model.layers.1.mlp.c_fc") is None
 
 
 def test_adapter_reaching_fused_layers_passes():
-    served = lora.served_after_fusion(LLAMA_LINEARS, QKV)
     config = {"r": 8, "target_modules": ["q_proj", "k_proj", "o_proj", "down_proj"]}
-    lora.check_adapter("a", config, served, "LlamaForCausalLM", max_rank=8, tp_size=2)
-    lora.check_adapter("all", {"r": 8, "target_modules": "all-linear"}, served, "LlamaForCausalLM")
+    lora.check_adapter("a", config, names_of(LLAMA_LINEARS, QKV), "LlamaForCausalLM", max_rank=8)
+    lora.check_adapter("all", {"r": 8, "target_modules": "all-linear"}, names_of(LLAMA_LINEARS, QKV), "Llama")
 
 
 @pytest.mark.parametrize(
-    "config, packed, linears, reason",
+    "config, linears, reason",
     [
         (
             {"r": 16, "target_modules": ["o_proj"]},
-            QKV,
             LLAMA_LINEARS,
             "rank 16, above --max-lora-rank 8; raise it",
         ),
-        (
-            {"target_modules": ["q_proj"]},
-            {},
-            LLAMA_LINEARS,
-            "fused qkv_proj, and this model serves q_proj unfused",
-        ),
-        ({"target_modules": ["embed_tokens", "q_proj"]}, QKV, LLAMA_LINEARS, r"trains \['embed_tokens'\]"),
+        ({"target_modules": ["embed_tokens", "q_proj"]}, LLAMA_LINEARS, r"trains \['embed_tokens'\]"),
         (
             {"target_modules": ["q_proj"], "modules_to_save": ["lm_head"]},
-            QKV,
             LLAMA_LINEARS,
             r"trains \['lm_head'\]",
         ),
         (
             {"target_modules": ["w_in"]},
-            QKV,
             LLAMA_LINEARS,
-            r"no linear of that name \(LoRA-capable layers: \['down_proj'",
+            r"no linear of that name \(LoRA-capable: \['down_proj'",
         ),
         (
-            {"target_modules": ["c_attn"]},
-            {},
-            {"transformer.h.0.attn.c_attn": "column"},
-            "decoder layers are at transformer.h",
+            {"target_modules": ["projector"]},
+            [*LLAMA_LINEARS, "model.projector"],
+            r"outside the decoder layers \(model.layers.N\)",
         ),
         (
-            {"target_modules": ["o_proj"]},
-            QKV,
-            {**LLAMA_LINEARS, "model.layers.1.self_attn.o_proj": "replicate"},
-            "at TP=2 SGLang shards LoRA weights of o_proj row-parallel, and SomeForCausalLM keeps it replicate/row",
+            {"target_modules": ["proj"]},
+            ["model.layers.0.a.x.proj", "model.layers.0.b.x.proj"],
+            r"same name \(model.layers.0.a.x.proj\)",
         ),
     ],
 )
-def test_unreachable_adapter_is_refused_with_the_reason(config, packed, linears, reason):
-    served = lora.served_after_fusion(linears, packed)
+def test_unreachable_adapter_is_refused_with_the_reason(config, linears, reason):
     with pytest.raises(LoRAAdapterRefused, match=reason):
-        lora.check_adapter("bad", config, served, "SomeForCausalLM", max_rank=8, tp_size=2)
+        lora.check_adapter("bad", config, names_of(linears, QKV), "SomeForCausalLM", max_rank=8)
 
 
 def test_adapter_paths_from_every_form_sglang_takes():
@@ -121,6 +134,24 @@ def test_parts_an_adapter_leaves_out_get_zeros():
     assert torch.equal(weights["base_model.model.mlp.gate_proj.lora_B.weight"], torch.zeros(12, 4))
 
 
+def test_adapter_weights_are_stacked_for_the_served_layers():
+    names = names_of(["h.0.qkv_proj", "h.0.c_attn", "h.0.o_proj"], QKV)
+    prefix = "base_model.model.h.0"
+    weights = {
+        f"{prefix}.{part}.lora_{kind}.weight": torch.full((4, 8), float(i))
+        for i, part in enumerate(["q_proj", "k_proj", "v_proj", "c_attn", "o_proj"])
+        for kind in "AB"
+    }
+    lora.stack_for_served_layers(names, {"h.0.qkv_proj": 3, "h.0.c_attn": 3, "h.0.o_proj": 1}, weights)
+    assert sorted(weights) == sorted(
+        f"{prefix}.{m}.lora_{k}.weight" for m in ("qkv_proj", "c_attn", "o_proj") for k in "AB"
+    )
+    assert weights[f"{prefix}.qkv_proj.lora_A.weight"][:, 0].tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    assert weights[f"{prefix}.c_attn.lora_A.weight"].shape == (12, 8)  # one A per q/k/v shard
+    assert weights[f"{prefix}.c_attn.lora_B.weight"].shape == (4, 8)
+    assert weights[f"{prefix}.o_proj.lora_A.weight"].shape == (4, 8)
+
+
 def test_native_stacked_parameter_table_gives_the_packing():
     model = nn.Module()
     model.bitsandbytes_stacked_params_mapping = {
@@ -131,22 +162,9 @@ def test_native_stacked_parameter_table_gives_the_packing():
     assert lora.packed_parts(model) == QKV
 
 
-def test_unfused_projections_refused_before_start(checkpoint, adapters, monkeypatch):
-    monkeypatch.setenv("SGLANG_HF_BACKEND_DISABLE_FUSIONS", "qkv")
-    with pytest.raises(LoRAAdapterRefused, match="'(q|v)_proj'.*fused qkv_proj.*serves (q|v)_proj unfused"):
-        start(checkpoint("llama"), {"attention": adapters("llama")["attention"]})
-
-
 def test_rank_above_the_limit_refused_before_start(checkpoint, adapters):
     with pytest.raises(LoRAAdapterRefused, match="rank 8, above --max-lora-rank 4"):
         start(checkpoint("llama"), {"mlp": adapters("llama")["mlp"]}, max_lora_rank=4)
-
-
-def test_gpt2_layers_refused_before_start(checkpoint, tmp_path):
-    adapter = build_adapter(checkpoint("gpt2"), tmp_path / "gpt2", ["c_attn"])
-    assert json.loads((adapter / "adapter_config.json").read_text())["target_modules"] == ["c_attn"]
-    with pytest.raises(LoRAAdapterRefused, match="targets 'c_attn'.*decoder layers are at transformer.h"):
-        start(checkpoint("gpt2"), {"a": adapter})
 
 
 def start(path, adapters: dict, **options):
