@@ -67,6 +67,7 @@ def preflight_if_transformers(model_impl: str, options: dict, torchao=None) -> N
             bool(options.get("is_embedding")),
             options.get("lora_paths"),
             options.get("max_lora_rank"),
+            int(options.get("pp_size") or 1),
         )
 
 

@@ -29,6 +29,14 @@ def tp_rank() -> int:
     return get_parallel().tp_rank
 
 
+def placement() -> dict[str, int]:
+    """This process's tensor-parallel rank, pipeline stage and data-parallel replica."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    return {"tp_rank": parallel.tp_rank, "pp_rank": parallel.pp_rank, "dp_rank": parallel.dp_rank or 0}
+
+
 def decision(message: str, *args) -> None:
     """Log a backend decision once per model (rank 0 only)."""
     if tp_rank() == 0:
@@ -56,21 +64,23 @@ def report_load(model: nn.Module, rss_before: int, extra: dict | None = None) ->
     """Log and (optionally) write what this rank holds after loading its weights."""
     report = {
         "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
-        "tp_rank": tp_rank(),
+        **placement(),
         "weight_bytes": weight_bytes(model),
         "peak_rss_growth_bytes": max(0, max_rss_bytes() - rss_before),
         **(extra or {}),
     }
     logger.info(
-        "sglang_hf_backend: TP rank %d holds %.1f MB of weights (RSS peak grew %.1f MB while loading)",
+        "sglang_hf_backend: TP rank %d (pipeline stage %d) holds %.1f MB of weights (RSS peak grew %.1f MB while loading)",
         report["tp_rank"],
+        report["pp_rank"],
         report["weight_bytes"] / 2**20,
         report["peak_rss_growth_bytes"] / 2**20,
     )
     directory = os.environ.get(LOAD_REPORT_ENV)
     if directory:
         Path(directory).mkdir(parents=True, exist_ok=True)
-        Path(directory, f"rank{report['tp_rank']}.json").write_text(json.dumps(report))
+        name = "rank{tp_rank}-pp{pp_rank}-dp{dp_rank}.json".format(**report)
+        Path(directory, name).write_text(json.dumps(report))
     return report
 
 

@@ -171,12 +171,14 @@ class WeightLoader:
         routes: dict[str, Routing],
         tied: set[str],
         on_loaded: Callable[[str], None] | None = None,
+        held_elsewhere: Callable[[str], bool] = lambda name: False,
     ):
         self.model = model
         self.names = names
         self.routes = routes
         self.tied = tied  # parameters shared with another one: a checkpoint copy is skipped
         self.on_loaded = on_loaded  # told each loaded key (see load_key)
+        self.held_elsewhere = held_elsewhere  # by another pipeline stage: its tensors are skipped
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.buffers = {name for name, _ in model.named_buffers()}
 
@@ -213,11 +215,11 @@ class WeightLoader:
         return None
 
     def _ignorable(self, name: str) -> bool:
-        """HF's own ignore list, tied duplicates and buffers the model computes itself."""
-        if name in self.tied or name in self.buffers:
-            return True
-        if f"{self.names.base_prefix}.{name}" in self.buffers:
-            return True
+        """HF's own ignore list, tied duplicates, buffers the model computes itself and what
+        another pipeline stage holds."""
+        for candidate in (name, f"{self.names.base_prefix}.{name}"):
+            if candidate in self.tied or candidate in self.buffers or self.held_elsewhere(candidate):
+                return True
         return any(p.search(name) for p in self.names.ignore_unexpected)
 
     def _load_one(self, load: Load) -> None:

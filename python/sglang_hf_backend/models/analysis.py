@@ -24,6 +24,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from sglang_hf_backend import compat
 from sglang_hf_backend.attention import ATTENTION_NAME
 from sglang_hf_backend.lora import preflight_adapters
+from sglang_hf_backend.models.pipeline import decoder_stack
 from sglang_hf_backend.surgery.fusers import FusionContext, FusionPlan, plan_fusions
 from sglang_hf_backend.surgery.linear import is_linear
 from sglang_hf_backend.surgery.roles import is_expert_bank
@@ -61,15 +62,19 @@ def preflight(
     is_embedding: bool = False,
     lora_paths=None,
     max_lora_rank: int | None = None,
+    pp_size: int = 1,
 ) -> None:
     """Everything checkable before SGLang starts: path, class, attention gate, TP layout, fusions,
-    quantization, the checkpoint's files (from their headers) and the LoRA adapters named."""
+    quantization, the checkpoint's files (from their headers), the LoRA adapters named and
+    where pipeline stages cut."""
     directory = local_checkpoint(model_path)
     class_name = compat.sglang_backend_class(model_path, trust_remote_code, revision, is_embedding)
     if "MultiModal" in class_name:
         raise compat.multimodal_refusal(class_name)
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code, revision=revision)
     analysis = analyse(config, trust_remote_code, tp_size, compat.backend_task(class_name))
+    if pp_size > 1:
+        check_pipeline_split(analysis, class_name, compat.backend_task(class_name), pp_size)
     if torchao is not None:
         backbone = analysis.hf_model.base_model
         torchao.check_group_size(local_input_features(backbone, analysis.tp_layout, tp_size))
@@ -79,6 +84,19 @@ def preflight(
         packed = analysis.fusions.packed_modules_mapping()
         linears = linear_paths(analysis.hf_model, analysis.tp_layout)
         preflight_adapters(lora_paths, linears, packed, type(analysis.hf_model).__name__, max_lora_rank)
+
+
+def check_pipeline_split(analysis: Analysis, class_name: str, task: str, pp_size: int) -> None:
+    """Pipeline stages serve causal LMs whose decoder stack cuts exactly, a layer or more each."""
+    if task != "causal":
+        raise compat.IncompatibleModelError(
+            f"pipeline parallelism serves causal LMs; {class_name} serves {task}. Use pp_size=1."
+        )
+    stack = decoder_stack(analysis.hf_model, analysis.trace)
+    if stack.num_layers < pp_size:
+        raise compat.IncompatibleModelError(
+            f"pp_size={pp_size} needs at least one decoder layer per stage; the model has {stack.num_layers}."
+        )
 
 
 def linear_paths(hf_model: PreTrainedModel, layout: TPLayout) -> list[str]:

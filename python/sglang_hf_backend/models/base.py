@@ -18,7 +18,7 @@ from typing import Iterable
 
 import torch
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, PPProxyTensors
 from sglang.srt.runtime_context import get_parallel, get_server_args
 from sglang.srt.utils import get_device
 from torch import nn
@@ -32,6 +32,7 @@ from sglang_hf_backend.attention import (
 )
 from sglang_hf_backend.lora import LoRALayers
 from sglang_hf_backend.models.analysis import analyse
+from sglang_hf_backend.models.pipeline import PipelineStage, decoder_stack, split_backbone
 from sglang_hf_backend.surgery.fusers import apply_fusions, declared_packed_modules
 from sglang_hf_backend.surgery.linear import build_linear, is_linear
 from sglang_hf_backend.surgery.tensor_parallel import TPLayout, local_input_features
@@ -53,7 +54,6 @@ class TransformersBase(LoRALayers, nn.Module):
         self.text_config = config.get_text_config()
         self.quant_config = quant_config
         self.tp_size = get_parallel().tp_size
-        self.start_layer, self.end_layer = 0, self.text_config.num_hidden_layers
 
         analysis = analyse(config, get_server_args().trust_remote_code, self.tp_size, self.task)
         hf_model = analysis.hf_model
@@ -76,7 +76,16 @@ class TransformersBase(LoRALayers, nn.Module):
         }
         self.packed_modules_mapping = self.fusions.packed_modules_mapping()
         replace_input_embedding(backbone)
-        self.attention_layers = attach_attention(self.model_trace, backbone, self.tp_size, quant_config)
+        self.pipeline = self.split_for_pipeline(hf_model, backbone)
+        self.start_layer, self.end_layer = self.pipeline.start, self.pipeline.end
+        self.weight_routes = {
+            name: route
+            for name, route in self.weight_routes.items()
+            if not self.pipeline.holds_elsewhere(name)
+        }
+        self.attention_layers = attach_attention(
+            self.model_trace, backbone, self.tp_size, quant_config, range(self.start_layer, self.end_layer)
+        )
         check_kv_cache_layout(self.attention_layers, config, self.tp_size)
         materialise_meta_parameters(backbone, keep_linears_on_meta=self.torchao is not None)
         setattr(self, self.backbone_name, backbone)
@@ -89,6 +98,27 @@ class TransformersBase(LoRALayers, nn.Module):
         self.compiled_layers = (
             compilation.compile_decoder_layers(backbone) if compilation.wanted(get_device()) else 0
         )
+
+    def split_for_pipeline(self, hf_model: PreTrainedModel, backbone: nn.Module) -> PipelineStage:
+        """This rank's pipeline stage; other stages' layers and embeddings become stand-ins."""
+        parallel = get_parallel()
+        if parallel.pp_size == 1:
+            return PipelineStage.whole(self.text_config.num_hidden_layers)
+        stack = decoder_stack(hf_model, self.model_trace)
+        stage = split_backbone(backbone, self.backbone_name, stack, parallel.pp_rank, parallel.pp_size)
+        diagnostics.decision(
+            "pipeline stage %d of %d: decoder layers %d-%d of %s.%s (%s)%s%s",
+            stage.rank,
+            stage.size,
+            stage.start,
+            stage.end - 1,
+            self.backbone_name,
+            stack.path,
+            stack.source,
+            "" if stage.is_first else ", embeddings on the first stage",
+            "" if stage.is_last else ", head on the last stage",
+        )
+        return stage
 
     def log_decisions(self) -> None:
         diagnostics.decision("serving %s with %s", self.hf_class_name, type(self).__name__)
@@ -132,7 +162,10 @@ class TransformersBase(LoRALayers, nn.Module):
         """SGLang's model contract: the backbone's hidden states, then what the capability mixin
         makes of them (``output``: logits, embeddings or scores)."""
         with profiling.profiled_step(forward_batch):
+            self.pipeline.hand_in(pp_proxy_tensors)
             hidden = self.backbone_forward(input_ids, positions, forward_batch, input_embeds)
+            if not self.pipeline.is_last:
+                return PPProxyTensors(self.pipeline.hand_on())
             return self.output(input_ids, hidden, forward_batch)
 
     def backbone_forward(
@@ -168,7 +201,12 @@ class TransformersBase(LoRALayers, nn.Module):
         expected = self.expected_checkpoint_keys()
         quantizer = quantization.ShardQuantizer(self, self.torchao, expected) if self.torchao else None
         loader = WeightLoader(
-            self, self.checkpoint_names, self.weight_routes, tied, on_loaded=quantizer and quantizer.loaded
+            self,
+            self.checkpoint_names,
+            self.weight_routes,
+            tied,
+            on_loaded=quantizer and quantizer.loaded,
+            held_elsewhere=self.pipeline.holds_elsewhere,
         )
         loaded = loader.load(weights)
         check_all_loaded(loaded, expected, tied)
@@ -253,18 +291,23 @@ class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
         return out * torch.tensor(self.embed_scale, dtype=out.dtype)
 
 
-def attach_attention(trace: ModelTrace, backbone: nn.Module, tp_size: int, quant_config) -> list:
+def attach_attention(
+    trace: ModelTrace, backbone: nn.Module, tp_size: int, quant_config, local_layers: range
+) -> list:
+    """RadixAttention for the attention modules this rank holds (its pipeline stage's)."""
     names = {module: name for name, module in backbone.named_modules()}
     specs = []
     for call in trace.attention_calls:
+        if call.module not in names:
+            continue  # in a layer another pipeline stage runs
         spec = layer_spec(call)
         attach_radix_attention(call, spec, tp_size, quant_config, prefix=names[call.module])
         specs.append(spec)
     layer_ids = [s.layer_id for s in specs]
-    if sorted(layer_ids) != list(range(len(layer_ids))):
+    if sorted(layer_ids) != list(local_layers):
         raise compat.IncompatibleModelError(
             f"attention layers report layer_idx {layer_ids}; SGLang needs each layer to own "
-            "one distinct KV-cache slot 0..N-1"
+            f"one distinct KV-cache slot {local_layers.start}..{local_layers.stop - 1}"
         )
     return specs
 

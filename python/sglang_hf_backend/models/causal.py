@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 
 from sglang_hf_backend.compat import IncompatibleModelError
 from sglang_hf_backend.models.heads import run_head
+from sglang_hf_backend.weights import Route
 
 
 class CausalMixin:
@@ -31,22 +32,34 @@ class CausalMixin:
         super().add_capabilities(hf_model)
         self.head_name = output_embedding_name(hf_model)
         self.tie_word_embeddings = bool(getattr(self.text_config, "tie_word_embeddings", False))
-        embedding = self.get_input_embeddings()
-        if self.tie_word_embeddings:
-            head = embedding  # one weight, as SGLang's native models tie it
+        if self.pipeline.is_last:
+            setattr(self, self.head_name, self.build_head(hf_model))
         else:
-            head = ParallelLMHead(
-                embedding.org_vocab_size,
-                embedding.embedding_dim,
-                quant_config=self.quant_config,
-                prefix=self.head_name,
-            )
-        setattr(self, self.head_name, head)
+            self.pipeline.held_elsewhere.append(self.head_name)
         scale = measure_head(hf_model, self.head_name)  # the soft-cap comes from the config
         self.logits_processor = LogitsProcessor(self.text_config, logit_scale=None if scale == 1.0 else scale)
 
+    def build_head(self, hf_model: PreTrainedModel) -> nn.Module:
+        """The LM head; a tied one is the input embedding, as SGLang's native models tie it,
+        except on a last pipeline stage without the embedding, where it loads the same tensor."""
+        if self.tie_word_embeddings and self.pipeline.is_first:
+            return self.get_input_embeddings()
+        hf_head = hf_model.get_output_embeddings()
+        head = ParallelLMHead(
+            hf_head.out_features, hf_head.in_features, quant_config=self.quant_config, prefix=self.head_name
+        )
+        if self.tie_word_embeddings:
+            self.weight_routes[f"{self.embedding_path()}.weight"] = Route(f"{self.head_name}.weight")
+        return head
+
+    def embedding_path(self) -> str:
+        embedding = self.get_input_embeddings()
+        path = next(name for name, module in self.backbone.named_modules() if module is embedding)
+        return f"{self.backbone_name}.{path}"
+
     def tied_parameters(self) -> set[str]:
-        return {f"{self.head_name}.weight"} if self.tie_word_embeddings else set()
+        shared = self.tie_word_embeddings and self.pipeline.is_first and self.pipeline.is_last
+        return {f"{self.head_name}.weight"} if shared else set()
 
     def output(
         self, input_ids: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch

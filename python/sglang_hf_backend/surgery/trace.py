@@ -48,6 +48,7 @@ class ModuleTrace:
     inputs: list[int]
     outputs: list[int] = dataclasses.field(default_factory=list)
     nodes: list[Node] = dataclasses.field(default_factory=list)
+    returns_tensor: bool = True  # a bare tensor, not a tuple or model output
 
     def producer(self, value: int) -> Node | None:
         for node in self.nodes:
@@ -188,6 +189,7 @@ class _Tracer(TorchFunctionMode):
         outputs = self.value_ids(output)
         if frame.trace is not None:
             frame.trace.outputs = outputs
+            frame.trace.returns_tensor = isinstance(output, torch.Tensor)
         parent = self.names.get(module, "")
         child_name = parent.rsplit(".", 1)[-1]
         self.record(Node("module", child_name, self.value_ids((args, kwargs)), outputs))

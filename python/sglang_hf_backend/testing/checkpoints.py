@@ -132,6 +132,7 @@ REMOTE_MODELS = {
     "remote": ("TinyLMForCausalLM", {}),
     "remote-eager": ("TinyLMEagerForCausalLM", {"use_attention_interface": False}),
     "remote-moe": ("TinyLMForCausalLM", {"num_experts": 4}),  # a router SGLang cannot reproduce
+    "remote-mixed": ("TinyLMForCausalLM", {"mix_layer_outputs": True}),  # cannot be cut into stages
 }
 INCOMPATIBLE_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
     "gptj": lambda: transformers.GPTJConfig(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, **_COMMON),

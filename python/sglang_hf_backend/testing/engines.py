@@ -29,7 +29,12 @@ PROMPTS = [
 NEW_TOKENS = 16
 GREEDY = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS}
 ENGINE_DEFAULTS = dict(dtype="float32", max_total_tokens=8192, log_level="error")
-TP2_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+def cpu_bind_env(ranks: int) -> dict:
+    """SGLang's CPU backend wants one core list per rank once ranks outnumber NUMA nodes."""
+    cores = os.cpu_count() or 1
+    return {"SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(rank % cores) for rank in range(ranks))}
 
 
 def prompt_ids(path: Path, trust_remote_code: bool = False) -> list[list[int]]:
@@ -88,8 +93,9 @@ def running_engine(model_path: Path, extra_env: dict | None = None, **kwargs):
 
     report_dir = Path(tempfile.mkdtemp(prefix="load-report-"))
     options = {**ENGINE_DEFAULTS, **kwargs}
-    if options.get("tp_size", 1) > 1:
-        extra_env = {**TP2_ENV, **(extra_env or {})}
+    ranks = options.get("tp_size", 1) * options.get("pp_size", 1) * options.get("dp_size", 1)
+    if ranks > 1:
+        extra_env = {**cpu_bind_env(ranks), **(extra_env or {})}
     # SGLang's subprocesses inherit the environment as it is while the engine starts.
     with mock.patch.dict(os.environ, {LOAD_REPORT_ENV: str(report_dir), **(extra_env or {})}):
         engine = sgl.Engine(model_path=str(model_path), **options)
@@ -102,12 +108,19 @@ def running_engine(model_path: Path, extra_env: dict | None = None, **kwargs):
 class Server:
     """``python -m sglang.launch_server`` on 127.0.0.1, with its log kept for assertions."""
 
-    def __init__(self, args: list[str], log_path: Path, timeout: float = 180.0):
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        timeout: float = 180.0,
+        env: dict | None = None,
+        wait: bool = True,
+    ):
+        """Start the server; with ``wait`` (the default) return once it is healthy. A second
+        node of a multi-node server is started with ``wait=False``: it only joins the first."""
         import subprocess
         import sys
-        import time
 
-        import requests
         from sglang.srt.utils.network import get_free_port
 
         self.port = get_free_port()
@@ -124,7 +137,17 @@ class Server:
             *args,
         ]
         self._log = open(log_path, "w")
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+        if wait:
+            self.wait_until_healthy(timeout)
+
+    def wait_until_healthy(self, timeout: float) -> None:
+        import time
+
+        import requests
+
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -153,7 +176,7 @@ class Server:
         return self.process.returncode
 
 
-def ours_server(model_path: Path, log_path: Path, *extra: str) -> Server:
+def ours_server(model_path: Path, log_path: Path, *extra: str, **server_options) -> Server:
     """``launch_server --impl transformers`` with the engines' test defaults (fp32, small KV pool)."""
     args = [
         "--model-path",
@@ -166,7 +189,7 @@ def ours_server(model_path: Path, log_path: Path, *extra: str) -> Server:
         str(ENGINE_DEFAULTS["max_total_tokens"]),
         *extra,
     ]
-    return Server(args, log_path)
+    return Server(args, log_path, **server_options)
 
 
 @dataclasses.dataclass

@@ -21,6 +21,7 @@ class TinyLMConfig(PretrainedConfig):
         use_attention_interface=True,
         num_experts=0,
         num_experts_per_tok=2,
+        mix_layer_outputs=False,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -36,4 +37,7 @@ class TinyLMConfig(PretrainedConfig):
         self.use_attention_interface = use_attention_interface
         self.num_experts = num_experts  # > 0: sparse MoE blocks instead of the MLP
         self.num_experts_per_tok = num_experts_per_tok if num_experts else None  # SGLang reads it as "MoE"
+        self.mix_layer_outputs = (
+            mix_layer_outputs  # the output averages every layer's: reaches across the stack
+        )
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

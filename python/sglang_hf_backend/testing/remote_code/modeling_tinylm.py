@@ -196,8 +196,12 @@ class TinyLMModel(TinyLMPreTrainedModel):
             position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device)[None]
         for unused in ("use_cache", "return_dict", "past_key_values", "cache_position"):
             kwargs.pop(unused, None)
+        layer_outputs = []
         for block in self.blocks:
             hidden_states = block(hidden_states, position_ids, **kwargs)
+            layer_outputs.append(hidden_states)
+        if self.config.mix_layer_outputs:
+            hidden_states = torch.stack(layer_outputs).mean(0)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states))
 
 
