@@ -34,7 +34,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from sglang_hf_backend.assets import smollm2_checkpoint
-    from sglang_hf_backend.diagnostics import LOAD_REPORT_ENV
+    from sglang_hf_backend.diagnostics import LOAD_REPORT_ENV, REPORT_NAME
 
     path = str(smollm2_checkpoint())
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -54,7 +54,9 @@ def main() -> None:
         max_total_tokens=16384,
         log_level="warning",
     )
-    served_by = json.loads((report_dir / "rank0.json").read_text())["model_class"]
+    served_by = json.loads((report_dir / REPORT_NAME.format(tp_rank=0, pp_rank=0, dp_rank=0)).read_text())[
+        "model_class"
+    ]
     print(f"SmolLM2-135M-Instruct ready in {time.perf_counter() - started:.1f}s, served by {served_by}\n")
     try:
         started = time.perf_counter()

@@ -29,6 +29,10 @@ def tp_rank() -> int:
     return get_parallel().tp_rank
 
 
+# One load report per process, named by its placement.
+REPORT_NAME = "rank{tp_rank}-pp{pp_rank}-dp{dp_rank}.json"
+
+
 def placement() -> dict[str, int]:
     """This process's tensor-parallel rank, pipeline stage and data-parallel replica."""
     from sglang.srt.runtime_context import get_parallel
@@ -79,8 +83,7 @@ def report_load(model: nn.Module, rss_before: int, extra: dict | None = None) ->
     directory = os.environ.get(LOAD_REPORT_ENV)
     if directory:
         Path(directory).mkdir(parents=True, exist_ok=True)
-        name = "rank{tp_rank}-pp{pp_rank}-dp{dp_rank}.json".format(**report)
-        Path(directory, name).write_text(json.dumps(report))
+        Path(directory, REPORT_NAME.format(**report)).write_text(json.dumps(report))
     return report
 
 

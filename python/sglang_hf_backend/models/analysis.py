@@ -24,7 +24,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from sglang_hf_backend import compat
 from sglang_hf_backend.attention import ATTENTION_NAME
 from sglang_hf_backend.lora import preflight_adapters
-from sglang_hf_backend.models.pipeline import decoder_stack
+from sglang_hf_backend.models.pipeline import DecoderStack, decoder_stack
 from sglang_hf_backend.surgery.fusers import FusionContext, FusionPlan, plan_fusions
 from sglang_hf_backend.surgery.linear import is_linear
 from sglang_hf_backend.surgery.roles import is_expert_bank
@@ -86,8 +86,8 @@ def preflight(
         preflight_adapters(lora_paths, linears, packed, type(analysis.hf_model).__name__, max_lora_rank)
 
 
-def check_pipeline_split(analysis: Analysis, class_name: str, task: str, pp_size: int) -> None:
-    """Pipeline stages serve causal LMs whose decoder stack cuts exactly, a layer or more each."""
+def check_pipeline_split(analysis: Analysis, class_name: str, task: str, pp_size: int) -> DecoderStack:
+    """The decoder stack pipeline stages cut: causal LMs only, cut exactly, a layer or more each."""
     if task != "causal":
         raise compat.IncompatibleModelError(
             f"pipeline parallelism serves causal LMs; {class_name} serves {task}. Use pp_size=1."
@@ -97,6 +97,7 @@ def check_pipeline_split(analysis: Analysis, class_name: str, task: str, pp_size
         raise compat.IncompatibleModelError(
             f"pp_size={pp_size} needs at least one decoder layer per stage; the model has {stack.num_layers}."
         )
+    return stack
 
 
 def linear_paths(hf_model: PreTrainedModel, layout: TPLayout) -> list[str]:

@@ -31,8 +31,8 @@ from sglang_hf_backend.attention import (
     layer_spec,
 )
 from sglang_hf_backend.lora import LoRALayers
-from sglang_hf_backend.models.analysis import analyse
-from sglang_hf_backend.models.pipeline import PipelineStage, decoder_stack, split_backbone
+from sglang_hf_backend.models.analysis import Analysis, analyse, check_pipeline_split
+from sglang_hf_backend.models.pipeline import PipelineStage, split_backbone
 from sglang_hf_backend.surgery.fusers import apply_fusions, declared_packed_modules
 from sglang_hf_backend.surgery.linear import build_linear, is_linear
 from sglang_hf_backend.surgery.tensor_parallel import TPLayout, local_input_features
@@ -76,7 +76,7 @@ class TransformersBase(LoRALayers, nn.Module):
         }
         self.packed_modules_mapping = self.fusions.packed_modules_mapping()
         replace_input_embedding(backbone)
-        self.pipeline = self.split_for_pipeline(hf_model, backbone)
+        self.pipeline = self.split_for_pipeline(analysis, backbone)
         self.start_layer, self.end_layer = self.pipeline.start, self.pipeline.end
         self.weight_routes = {
             name: route
@@ -99,12 +99,12 @@ class TransformersBase(LoRALayers, nn.Module):
             compilation.compile_decoder_layers(backbone) if compilation.wanted(get_device()) else 0
         )
 
-    def split_for_pipeline(self, hf_model: PreTrainedModel, backbone: nn.Module) -> PipelineStage:
+    def split_for_pipeline(self, analysis: Analysis, backbone: nn.Module) -> PipelineStage:
         """This rank's pipeline stage; other stages' layers and embeddings become stand-ins."""
         parallel = get_parallel()
         if parallel.pp_size == 1:
             return PipelineStage.whole(self.text_config.num_hidden_layers)
-        stack = decoder_stack(hf_model, self.model_trace)
+        stack = check_pipeline_split(analysis, self.hf_class_name, self.task, parallel.pp_size)
         stage = split_backbone(backbone, self.backbone_name, stack, parallel.pp_rank, parallel.pp_size)
         diagnostics.decision(
             "pipeline stage %d of %d: decoder layers %d-%d of %s.%s (%s)%s%s",

@@ -11,7 +11,7 @@ that pass hidden states through; the one just before the stage's first layer han
 hidden states received from the previous stage (whatever the embedding code computed is
 dropped, so scaled or position-summed embeddings stay exact), and the one just after its last
 layer keeps them to send on. Embeddings live on the first stage only (elsewhere a zero stand-in
-without weights), the LM head on the last; KV-cache slots cover the local layers
+without weights), the final norm and the LM head on the last; KV-cache slots cover the local layers
 (``start_layer``/``end_layer``). Layers are split as SGLang splits its native models
 (``get_pp_indices``, which honours ``SGLANG_PP_LAYER_PARTITION``).
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from sglang.srt.layers.utils import PPMissingLayer
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from torch import nn
 from torch.utils._pytree import tree_flatten
@@ -40,6 +41,7 @@ class DecoderStack:
     num_layers: int
     source: str  # "the model's pp plan" | "inferred from the trace"
     returns_tensor: bool  # a layer returns its hidden states bare, not in a tuple
+    after: tuple[str, ...]  # backbone children with weights run after the stack (the final norm)
 
 
 def decoder_stack(hf_model: PreTrainedModel, trace: ModelTrace) -> DecoderStack:
@@ -51,8 +53,22 @@ def decoder_stack(hf_model: PreTrainedModel, trace: ModelTrace) -> DecoderStack:
         path, source = _attention_stack(backbone, trace, name), "inferred from the trace"
     layers = backbone.get_submodule(path)
     layer_trace = trace.classes.get(type(layers[0]))
-    _check_chain(trace.classes[type(backbone)], len(layers), name)
-    return DecoderStack(path, len(layers), source, layer_trace is None or layer_trace.returns_tensor)
+    backbone_trace = trace.classes[type(backbone)]
+    _check_chain(backbone_trace, len(layers), name)
+    returns_tensor = layer_trace is None or layer_trace.returns_tensor
+    return DecoderStack(path, len(layers), source, returns_tensor, _run_after_stack(backbone, backbone_trace))
+
+
+def _run_after_stack(backbone: nn.Module, backbone_trace) -> tuple[str, ...]:
+    """Direct children with weights the backbone calls after its last decoder layer."""
+    calls = [node.target for node in backbone_trace.nodes if node.kind == "module"]
+    last_layer = max(i for i, target in enumerate(calls) if target.isdigit())
+    children = dict(backbone.named_children())
+    return tuple(
+        target
+        for target in calls[last_layer + 1 :]
+        if target in children and any(True for _ in children[target].parameters())
+    )
 
 
 def _planned_stack(backbone: nn.Module) -> str | None:
@@ -196,6 +212,10 @@ def split_backbone(
     if end < stack.num_layers:
         stage.exit = layers[end]
         stage.exit.keeps = True
+    if not stage.is_last:
+        for path in stack.after:  # what they compute there is not sent on
+            backbone.set_submodule(path, PPMissingLayer())
+            stage.held_elsewhere.append(f"{prefix}.{path}")
     if not stage.is_first:
         for path, module in list(backbone.named_modules()):
             if isinstance(module, (nn.Embedding, VocabParallelEmbedding)) and not path.startswith(

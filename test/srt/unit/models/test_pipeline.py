@@ -11,17 +11,18 @@ from sglang_hf_backend.testing.analysis import analyse_checkpoint
 
 
 @pytest.mark.parametrize(
-    "model, path, source",
+    "model, path, source, after",
     [
-        ("llama", "layers", "the model's pp plan"),
-        ("gpt2", "h", "inferred from the trace"),
-        ("remote", "blocks", "inferred from the trace"),
+        ("llama", "layers", "the model's pp plan", ("norm",)),
+        ("gpt2", "h", "inferred from the trace", ("ln_f",)),
+        ("remote", "blocks", "inferred from the trace", ("norm",)),
     ],
 )
-def test_decoder_stack_from_the_plan_or_the_trace(analysis, model, path, source):
+def test_decoder_stack_from_the_plan_or_the_trace(analysis, model, path, source, after):
     found = analysis(model)
     stack = decoder_stack(found.hf_model, found.trace)
     assert (stack.path, stack.num_layers, stack.source, stack.returns_tensor) == (path, 2, source, True)
+    assert stack.after == after
 
 
 def test_layers_read_across_the_stack_are_refused(analysis):
@@ -42,6 +43,7 @@ def test_a_stage_holds_its_layers_and_its_end_of_the_model(checkpoint, rank):
     assert not stage.holds_elsewhere(f"transformer.h.{rank}.attn.c_attn.weight")
     embeddings_elsewhere = {"transformer.wte", "transformer.wpe"} <= set(stage.held_elsewhere)
     assert embeddings_elsewhere == (rank == 1) and isinstance(backbone.wpe, ZeroEmbedding) == (rank == 1)
+    assert stage.holds_elsewhere("transformer.ln_f.weight") == (rank == 0)
     assert (stage.entry is backbone.h[0]) == (rank == 1) and (stage.exit is backbone.h[1]) == (rank == 0)
 
 
