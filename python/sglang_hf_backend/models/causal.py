@@ -44,10 +44,8 @@ class CausalMixin:
         except on a last pipeline stage without the embedding, where it loads the same tensor."""
         if self.tie_word_embeddings and self.pipeline.is_first:
             return self.get_input_embeddings()
-        hf_head = hf_model.get_output_embeddings()
-        head = ParallelLMHead(
-            hf_head.out_features, hf_head.in_features, quant_config=self.quant_config, prefix=self.head_name
-        )
+        vocab_size, hidden_size = hf_model.get_output_embeddings().weight.shape
+        head = ParallelLMHead(vocab_size, hidden_size, quant_config=self.quant_config, prefix=self.head_name)
         if self.tie_word_embeddings:
             self.weight_routes[f"{self.embedding_path()}.weight"] = Route(f"{self.head_name}.weight")
         return head
