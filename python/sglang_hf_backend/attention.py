@@ -9,8 +9,9 @@ the ``RadixAttention`` attached to that module, which reads and writes the KV ca
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -49,16 +50,14 @@ def hf_attention_forward(
         output = query.new_empty(batch, tokens, heads, value.shape[-1])
         tracer.record_attention(module, query, key, value, settings, output)
         return output, None
+    if torch.compiler.is_compiling():
+        layer_id = getattr(module, RADIX_ATTRIBUTE).layer_id
+        return torch.ops.sglang_hf_backend.attend(query, key, value, layer_id), None
     return attend(module, query, key, value, forward_batch), None
 
 
-@torch.compiler.disable
 def attend(module: nn.Module, query, key, value, forward_batch) -> torch.Tensor:
-    """One RadixAttention call: KV cache write and paged attention.
-
-    Kept out of torch.compile graphs (see compilation.py): the KV pool, the batch's
-    index tensors and the backend's Python dispatch change every step.
-    """
+    """One RadixAttention call: KV cache write and paged attention."""
     attn = getattr(module, RADIX_ATTRIBUTE)
     q = _local_heads(query, attn.tp_q_head_num)
     k = _local_heads(key, attn.tp_k_head_num)
@@ -67,6 +66,42 @@ def attend(module: nn.Module, query, key, value, forward_batch) -> torch.Tensor:
     with attention_range():
         out = attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1), forward_batch)
     return out.view(1, tokens, attn.tp_q_head_num, attn.v_head_dim)
+
+
+@dataclasses.dataclass
+class _Step:
+    attention: dict[int, nn.Module]  # layer id -> HF attention module with its RadixAttention
+    forward_batch: Any
+
+
+_RUNNING: list[_Step | None] = [None]
+
+
+@contextlib.contextmanager
+def running_step(attention: dict[int, nn.Module], forward_batch) -> Iterator[None]:
+    """What a compiled step's attention op reads outside the graph: the layers and the batch
+    (the KV pool, the batch's index tensors and the backend's dispatch change every step)."""
+    _RUNNING[0] = _Step(attention, forward_batch)
+    try:
+        yield
+    finally:
+        _RUNNING[0] = None
+
+
+@torch.library.custom_op("sglang_hf_backend::attend", mutates_args=())
+def attend_in_graph(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_id: int
+) -> torch.Tensor:
+    """``attend`` as one opaque node of a compiled step (it writes the KV cache, which no
+    other node of the graph reads)."""
+    step = _RUNNING[0]
+    return attend(step.attention[layer_id], query, key, value, step.forward_batch)
+
+
+@attend_in_graph.register_fake
+def _attend_shape(query, key, value, layer_id):
+    attn = getattr(_RUNNING[0].attention[layer_id], RADIX_ATTRIBUTE)
+    return query.new_empty(1, query.shape[2], attn.tp_q_head_num, attn.v_head_dim)
 
 
 def _local_heads(x: torch.Tensor, local: int) -> torch.Tensor:

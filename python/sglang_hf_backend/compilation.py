@@ -1,13 +1,17 @@
-"""torch.compile of the decoder layers on CPU, with attention kept out of the graph.
+"""torch.compile of the whole step on CPU: the backbone's forward as one graph, attention inside it.
 
 SGLang's own CPU answer to ``--enable-torch-compile`` (its CPU graph runner) compiles the
 whole forward for every decode batch size and needs an attention backend that keeps
-CPU-graph state (``intel_amx`` with ``sgl-kernel``). Per-op overhead on CPU lives in the
-norms, RoPE, activations and glue between GEMMs, not in attention, so ours compiles each
-decoder layer's forward with dynamic token counts and leaves the attention call opaque
-(a graph break at the RadixAttention call, see ``attention.attend``). All layers of a
-class share one compiled graph per shape class: tokens == 1 (batch-1 decode) and any
-other count. On a GPU, SGLang's CUDA-graph path owns ``--enable-torch-compile``.
+CPU-graph state (``intel_amx`` with ``sgl-kernel``). Ours compiles the backbone's forward
+once, with dynamic token counts. The RadixAttention call is a custom op with a fake
+implementation (``attention.attend_in_graph``), so the graph does not break at attention:
+norms, RoPE, activations and the glue between the GEMMs of all layers are generated as one
+program, and the Python of HF's module calls runs only while tracing. The step's batch
+(KV-cache indices, attention metadata) reaches the op outside the graph
+(``attention.running_step``). Shape classes: one token (batch-1 decode) and any other count,
+each compiled on its first step; inductor's on-disk cache (torch's default, in
+``TORCHINDUCTOR_CACHE_DIR``) lets a second start reuse the generated code. On a GPU, SGLang's
+CUDA-graph path owns ``--enable-torch-compile``.
 """
 
 from __future__ import annotations
@@ -18,68 +22,60 @@ import torch
 from torch import nn
 
 from sglang_hf_backend import diagnostics
-from sglang_hf_backend.attention import RADIX_ATTRIBUTE
+from sglang_hf_backend.attention import RADIX_ATTRIBUTE, running_step
 
 
 def wanted(device: str) -> bool:
-    """Does this process compile the decoder layers itself?"""
+    """Does this process compile the step itself?"""
     from sglang.srt.runtime_context import get_flags
 
     return device == "cpu" and get_flags().capture.enable_torch_compile
 
 
-def compile_decoder_layers(backbone: nn.Module) -> int:
-    """Compile every decoder layer in place, taking the flag over from SGLang's CPU graph runner.
-
-    Returns how many layers were compiled.
-    """
-    from sglang.srt.runtime_context import get_flags
-
-    layers = decoder_layers(backbone)
-    if not layers:
-        diagnostics.decision("torch.compile: no decoder layers found; serving eagerly")
-        return 0
-    for layer in layers:
-        layer.forward = _timed_first_call(torch.compile(layer.forward, dynamic=True), type(layer).__name__)
-    # SGLang's CPU graph runner would compile the whole forward again around ours.
-    get_flags().capture.enable_torch_compile = False
-    diagnostics.decision(
-        "torch.compile: %d x %s compiled (dynamic token count, attention opaque); "
-        "SGLang's CPU graph capture is left off",
-        len(layers),
-        type(layers[0]).__name__,
-    )
-    return len(layers)
+def eager_reason(pp_size: int, lora: bool) -> str | None:
+    """Why a compiled step would not be exact or stable here (then the model runs eagerly)."""
+    if pp_size > 1:
+        return "pipeline stages hand hidden states in and out through module state"
+    if lora:
+        return "LoRA layers read per-batch adapter indices in Python"
+    return None
 
 
-def decoder_layers(backbone: nn.Module) -> list[nn.Module]:
-    """The entries of module lists that hold an attention layer: HF's decoder layers."""
-    return [
-        layer
-        for holder in backbone.modules()
-        if isinstance(holder, nn.ModuleList)
-        for layer in holder
-        if any(hasattr(m, RADIX_ATTRIBUTE) for m in layer.modules())
-    ]
+class CompiledStep:
+    """The backbone's forward, compiled once; called with the batch and the backbone's inputs."""
 
+    def __init__(self, backbone: nn.Module):
+        from sglang.srt.runtime_context import get_flags
 
-_first_call_logged: set[str] = set()
-
-
-def _timed_first_call(compiled, class_name: str):
-    """Log how long the first call (which compiles) took, once per class."""
-
-    def forward(*args, **kwargs):
-        if class_name in _first_call_logged:
-            return compiled(*args, **kwargs)
-        started = time.perf_counter()
-        out = compiled(*args, **kwargs)
-        _first_call_logged.add(class_name)
+        self.backbone = backbone
+        self.attention = {
+            getattr(module, RADIX_ATTRIBUTE).layer_id: module
+            for module in backbone.modules()
+            if hasattr(module, RADIX_ATTRIBUTE)
+        }
+        self.compiled = torch.compile(self.hidden_states, dynamic=True)
+        self.compiled_shapes: set[str] = set()
+        # SGLang's CPU graph runner would compile the whole forward again around ours.
+        get_flags().capture.enable_torch_compile = False
         diagnostics.decision(
-            "torch.compile: first %s forward took %.1f s (compiling)",
-            class_name,
-            time.perf_counter() - started,
+            "torch.compile: the backbone's forward is one graph (dynamic token count, %d attention "
+            "layers inside it as a custom op); SGLang's CPU graph capture is left off",
+            len(self.attention),
         )
-        return out
 
-    return forward
+    def hidden_states(self, **inputs) -> torch.Tensor:
+        return self.backbone(**inputs, use_cache=False, return_dict=True).last_hidden_state
+
+    def __call__(self, forward_batch, **inputs) -> torch.Tensor:
+        shape = "one token" if inputs["position_ids"].shape[-1] == 1 else "many tokens"
+        started = time.perf_counter()
+        with running_step(self.attention, forward_batch):
+            out = self.compiled(**inputs)
+        if shape not in self.compiled_shapes:
+            self.compiled_shapes.add(shape)
+            diagnostics.decision(
+                "torch.compile: first step with %s took %.1f s (compiling)",
+                shape,
+                time.perf_counter() - started,
+            )
+        return out

@@ -100,12 +100,14 @@ def fold(lines: list[dict], mode: str, batch: int, between_steps: bool = True) -
     return row
 
 
-def run(model_path: str, dtype: str, input_len: int = 128, output_len: int = 32, batch: int = 32) -> dict:
+def run(
+    model_path: str, dtype: str, input_len: int = 128, output_len: int = 32, batch: int = 32, **engine_options
+) -> dict:
     """Profile the three workloads on one engine; rows keyed by workload name."""
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model_path).get_text_config().vocab_size
-    engine, directory = profiled_engine(model_path, dtype)
+    engine, directory = profiled_engine(model_path, dtype, **engine_options)
     sampling = {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
     try:
         engine.generate(input_ids=prompt_ids(2, 16, vocab, 99), sampling_params={"max_new_tokens": 4})
@@ -117,7 +119,7 @@ def run(model_path: str, dtype: str, input_len: int = 128, output_len: int = 32,
     finally:
         engine.shutdown()
     # prefill runs once per batch: profile it alone, twice, so one run is timed and one profiled
-    prefill = _prefill_lines(model_path, dtype, vocab, input_len, batch)
+    prefill = _prefill_lines(model_path, dtype, vocab, input_len, batch, engine_options)
     return {
         "decode, batch 1": fold(single, "decode", 1),
         f"decode, batch {batch}": fold(batched, "decode", batch),
@@ -125,7 +127,7 @@ def run(model_path: str, dtype: str, input_len: int = 128, output_len: int = 32,
     }
 
 
-def profiled_engine(model_path: str, dtype: str):
+def profiled_engine(model_path: str, dtype: str, **engine_options):
     """Our engine with step profiling on, and the directory its ranks write to."""
     import sglang as sgl
 
@@ -138,13 +140,15 @@ def profiled_engine(model_path: str, dtype: str):
             skip_tokenizer_init=True,
             max_total_tokens=65536,
             log_level="error",
+            **engine_options,
         )
     return engine, directory
 
 
-def _prefill_lines(model_path: str, dtype: str, vocab: int, input_len: int, batch: int) -> list[dict]:
-
-    engine, directory = profiled_engine(model_path, dtype)
+def _prefill_lines(
+    model_path: str, dtype: str, vocab: int, input_len: int, batch: int, engine_options: dict
+) -> list[dict]:
+    engine, directory = profiled_engine(model_path, dtype, **engine_options)
     try:
         for seed in range(3, 8):  # distinct prompts (no radix-cache hits); the first one is cold
             ids = prompt_ids(batch, input_len, vocab, seed)

@@ -5,7 +5,7 @@ Construction, in order:
 2. swap linears and the token embedding for SGLang's parallel layers;
 3. give every attention module a RadixAttention with its per-layer settings;
 4. materialise the parameters HF keeps (norms) on the real device;
-5. on CPU with ``--enable-torch-compile``, compile the decoder layers (compilation.py).
+5. on CPU with ``--enable-torch-compile``, compile the backbone's forward as one graph (compilation.py).
 Capability mixins add their parts on top (``add_capabilities``) and turn the backbone's
 hidden states into the class's output (``output``: logits, embeddings or scores).
 """
@@ -95,9 +95,7 @@ class TransformersBase(LoRALayers, nn.Module):
         self.takes_token_type_ids = "token_type_ids" in inspect.signature(backbone.forward).parameters
         self.add_capabilities(hf_model)
         self.log_decisions()
-        self.compiled_layers = (
-            compilation.compile_decoder_layers(backbone) if compilation.wanted(get_device()) else 0
-        )
+        self.compiled_step = self.compile_step() if compilation.wanted(get_device()) else None
 
     def split_for_pipeline(self, analysis: Analysis, backbone: nn.Module) -> PipelineStage:
         """This rank's pipeline stage; other stages' layers and embeddings become stand-ins."""
@@ -119,6 +117,14 @@ class TransformersBase(LoRALayers, nn.Module):
             "" if stage.is_last else ", head on the last stage",
         )
         return stage
+
+    def compile_step(self) -> compilation.CompiledStep | None:
+        args = get_server_args()
+        why_not = compilation.eager_reason(self.pipeline.size, bool(args.enable_lora or args.lora_paths))
+        if why_not is not None:
+            diagnostics.decision("torch.compile: serving eagerly, since %s", why_not)
+            return None
+        return compilation.CompiledStep(self.backbone)
 
     def log_decisions(self) -> None:
         diagnostics.decision("serving %s with %s", self.hf_class_name, type(self).__name__)
@@ -180,15 +186,15 @@ class TransformersBase(LoRALayers, nn.Module):
         extra = (
             {"token_type_ids": segments[None]} if segments is not None and self.takes_token_type_ids else {}
         )
-        outputs = self.backbone(
+        inputs = dict(
             input_ids=None if input_embeds is not None else input_ids[None],
             inputs_embeds=None if input_embeds is None else input_embeds[None],
             position_ids=positions[None] + self.position_offset,
-            use_cache=False,
-            return_dict=True,
-            forward_batch=forward_batch,
             **extra,
         )
+        if self.compiled_step is not None:
+            return self.compiled_step(forward_batch, **inputs)[0]
+        outputs = self.backbone(**inputs, use_cache=False, return_dict=True, forward_batch=forward_batch)
         return outputs.last_hidden_state[0]
 
     # -- weights ---------------------------------------------------------------
@@ -230,7 +236,7 @@ class TransformersBase(LoRALayers, nn.Module):
             "tp_source": self.tp_layout.source,
             "layers": diagnostics.describe_layers(self.backbone),
             "fusions": self.fusions.log_lines(self.hf_class_name),
-            "compiled_layers": self.compiled_layers,
+            "compiled_step": self.compiled_step is not None,
         }
 
     def expected_checkpoint_keys(self) -> set[str]:

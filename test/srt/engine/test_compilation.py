@@ -1,8 +1,8 @@
-"""``--enable-torch-compile`` on CPU: our decoder layers compiled, attention opaque.
+"""``--enable-torch-compile`` on CPU: the backbone's forward as one graph, attention inside it.
 
 A compiled engine must give HF's greedy tokens (fp32) batched and one prompt at a time
 (batch-1 decode runs the tokens == 1 graph, batches the dynamic one), and the load
-report must say the layers were compiled. SGLang's CPU graph runner, which ``cpu_sdpa``
+report must say the step was compiled. SGLang's CPU graph runner, which ``cpu_sdpa``
 cannot serve, is kept out of our engines and refused up front for native ones.
 """
 
@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import pytest
 import sglang as sgl
-from transformers import AutoConfig
 
 from sglang_hf_backend.testing.engines import engine_case
 
 
-def test_compiled_layers_match_hf(checkpoint):
-    case = engine_case(checkpoint, "llama", enable_torch_compile=True)
-    (report,) = case.reports
-    assert report["compiled_layers"] == AutoConfig.from_pretrained(case.path).num_hidden_layers
+@pytest.mark.parametrize("name, tp_size", [("llama", 1), ("gemma2", 1), ("gpt2", 1), ("llama", 2)])
+def test_compiled_step_matches_hf(checkpoint, name, tp_size):
+    case = engine_case(checkpoint, name, enable_torch_compile=True, tp_size=tp_size)
+    assert all(report["compiled_step"] for report in case.reports) and len(case.reports) == tp_size
     assert case.batched == case.reference
     assert case.one_at_a_time == case.reference
 
