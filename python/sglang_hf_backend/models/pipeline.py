@@ -67,7 +67,7 @@ def _run_after_stack(backbone: nn.Module, backbone_trace) -> tuple[str, ...]:
     return tuple(
         target
         for target in calls[last_layer + 1 :]
-        if target in children and any(True for _ in children[target].parameters())
+        if target in children and next(children[target].parameters(), None) is not None
     )
 
 
