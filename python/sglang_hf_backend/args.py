@@ -57,6 +57,7 @@ def preflight_if_transformers(model_impl: str, options: dict, torchao=None) -> N
     """Check the model in this process when the transformers implementation is explicit."""
     if model_impl == "transformers" and options.get("model_path"):
         from sglang_hf_backend.models.analysis import preflight
+        from sglang_hf_backend.models.multimodal import chosen_prefill_backend
 
         preflight(
             options["model_path"],
@@ -68,6 +69,7 @@ def preflight_if_transformers(model_impl: str, options: dict, torchao=None) -> N
             options.get("lora_paths"),
             options.get("max_lora_rank"),
             int(options.get("pp_size") or 1),
+            chosen_prefill_backend(options),
         )
 
 

@@ -12,6 +12,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
     MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
     MODEL_MAPPING,
 )
@@ -26,6 +27,12 @@ TASKS = {
         "sequence-classification",
     ),
 }
+# A multimodal causal LM: images and text in, text out.
+MULTIMODAL_CAUSAL = (
+    ("AutoModelForImageTextToText", "AutoModelForVision2Seq", "AutoModelForCausalLM"),
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    "image-text-to-text",
+)
 
 
 class IncompatibleModelError(ValueError):
@@ -33,7 +40,7 @@ class IncompatibleModelError(ValueError):
 
 
 def resolve_hf_class(
-    config: PretrainedConfig, trust_remote_code: bool, task: str = "causal"
+    config: PretrainedConfig, trust_remote_code: bool, task: str = "causal", multimodal: bool = False
 ) -> type[PreTrainedModel]:
     """The transformers class that serves ``config`` for ``task`` (causal, embedding, classification).
 
@@ -42,7 +49,7 @@ def resolve_hf_class(
     transformers maps this config type to for the task. An embedding model is served
     from any class's backbone; a classifier needs a class with its head.
     """
-    auto_keys, mapping, what = TASKS[task]
+    auto_keys, mapping, what = MULTIMODAL_CAUSAL if multimodal and task == "causal" else TASKS[task]
     architecture = (getattr(config, "architectures", None) or [None])[0]
     builtin = getattr(transformers, architecture, None) if architecture else None
     if isinstance(builtin, type) and issubclass(builtin, PreTrainedModel):
@@ -110,11 +117,6 @@ def backend_task(class_name: str) -> str:
     raise ValueError(f"{class_name!r} is not one of SGLang's transformers-backend class names")
 
 
-def multimodal_refusal(class_name: str) -> IncompatibleModelError:
-    return IncompatibleModelError(
-        f"SGLang resolved this checkpoint to {class_name}: a multimodal model (images, audio or "
-        "video in). sglang_hf_backend does not serve multimodal models yet. Serve it with SGLang's "
-        "native implementation (model_impl='sglang') if SGLang has one, or with SGLang's built-in "
-        "transformers backend by keeping only this plugin's CPU platform (SGLANG_PLUGINS="
-        "sglang_hf_backend_cpu)."
-    )
+def is_multimodal_class(class_name: str) -> bool:
+    """Is this one of SGLang's ``TransformersMultiModal...`` names (media in besides text)?"""
+    return class_name.startswith("TransformersMultiModal")

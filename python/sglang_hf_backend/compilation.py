@@ -32,8 +32,12 @@ def wanted(device: str) -> bool:
     return device == "cpu" and get_flags().capture.enable_torch_compile
 
 
-def eager_reason(pp_size: int, lora: bool) -> str | None:
+def eager_reason(pp_size: int, lora: bool, multimodal: bool = False) -> str | None:
     """Why a compiled step would not be exact or stable here (then the model runs eagerly)."""
+    if multimodal:
+        return (
+            "a multimodal model's prefills switch between token ids and image embeddings (not compiled yet)"
+        )
     if pp_size > 1:
         return "pipeline stages hand hidden states in and out through module state"
     if lora:

@@ -9,7 +9,9 @@ K/V per query head. Decode, prefill with radix-cache prefixes, chunked prefill a
 batches all reduce to "new tokens at known positions attending to cached tokens".
 Attention itself is torch's CPU flash-attention kernel (SDPA) for decode and prefill
 alike; soft-capped layers, which SDPA cannot express, use batched grouped matmuls.
-Sliding windows and logit soft-capping are applied the way HF's eager attention does.
+Sliding windows and logit soft-capping are applied the way HF's eager attention does, and
+a multimodal model whose image tokens attend to each other both ways (Gemma3) hands each
+prefill's image spans to ``attend_within_spans``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,16 @@ class BatchLayout:
     q_valid: torch.Tensor  # [B, E] False for padding
     q_rows: torch.Tensor | None  # [T] row of each flat query in the padded [B*E] layout
     masks: dict[tuple[bool, int], torch.Tensor] = dataclasses.field(default_factory=dict)
+    kv_span: torch.Tensor | None = None  # [B, L] which span (image) each key is in, -1 for none
+
+    def within_spans(self, spans: list[list[tuple[int, int]]]) -> None:
+        """Let the tokens of each (first, last) position span attend to the whole span."""
+        kv_span = torch.full(self.kv_index.shape, -1, dtype=torch.long)
+        for row, request_spans in enumerate(spans):
+            for number, (first, last) in enumerate(request_spans):
+                kv_span[row, first : last + 1] = number
+        self.kv_span = kv_span
+        self.masks.clear()
 
     def mask(self, causal: bool, window: int) -> torch.Tensor:
         """[B, 1, E, L] boolean "may attend" mask, built once per (causal, window)."""
@@ -46,13 +58,21 @@ class BatchLayout:
             q = self.q_pos[:, :, None]
             allowed = k < self.kv_len[:, None, None]
             if causal:
-                allowed = allowed & (k <= q)
+                allowed = allowed & ((k <= q) | self._same_span())
             if window >= 0:
                 allowed = allowed & (k >= q - window)
             # Padded query rows attend to the first key only, so no row is empty (no NaN).
             allowed = allowed | (~self.q_valid[:, :, None] & (k == 0))
             self.masks[key] = allowed[:, None]
         return self.masks[key]
+
+    def _same_span(self) -> torch.Tensor | bool:
+        """[B, E, L]: query and key lie in one span."""
+        if self.kv_span is None:
+            return False
+        last = self.kv_span.shape[1] - 1
+        q_span = self.kv_span.gather(1, self.q_pos.clamp(max=last)).masked_fill(~self.q_valid, -1)
+        return (q_span[:, :, None] == self.kv_span[:, None, :]) & (q_span[:, :, None] >= 0)
 
 
 class CpuSdpaAttnBackend(AttentionBackend):
@@ -116,6 +136,13 @@ class CpuSdpaAttnBackend(AttentionBackend):
         q_valid = offsets[None, :] < new[:, None]
         q_rows = (torch.arange(len(new))[:, None] * width + offsets[None, :])[q_valid]
         return BatchLayout(kv_index, kv_pos, kv_len, prefix[:, None] + offsets[None, :], q_valid, q_rows)
+
+    def attend_within_spans(self, spans: list[list[tuple[int, int]]]) -> None:
+        """This forward's requests let the tokens of each span (first, last position) attend to
+        the whole span, as a model whose image tokens see their whole image asks; the rest stays
+        causal. Called by the model before its layers run."""
+        if self.forward_metadata is not None and self.forward_metadata.q_rows is not None:
+            self.forward_metadata.within_spans(spans)
 
     # -- attention ------------------------------------------------------------
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 def register() -> None:
     """Entry point of ``sglang.srt.plugins``."""
-    from sglang_hf_backend import args, lora, platform, validation
+    from sglang_hf_backend import args, lora, platform, prefix_cache, validation
     from sglang_hf_backend.attention import register_attention_function
     from sglang_hf_backend.imports import when_imported
 
@@ -18,6 +18,7 @@ def register() -> None:
     args.install()
     validation.install()
     lora.install()
+    prefix_cache.install()
     if platform.serves_this_machine():
         platform.install_cpu_kernel_fallbacks()
         platform.install_pinning_fallback()

@@ -9,6 +9,10 @@ reaches a scheduler (``TokenizerManager._validate_one_request``, hooked through 
 calls all get a ``ValueError``: HTTP answers 400 with its message, ``Engine`` callers can
 catch it. They apply to every model the server runs, native ones included.
 
+Video and audio sent to a multimodal model of the transformers backend (our classes, which
+run images only) are refused before the processor runs (``_validate_mm_limits``): SGLang's
+processor for that backend passes no video on, so the prompt would run without it.
+
 OpenAI-style requests naming a model the server does not serve get a 404
 ``model_not_found`` error, as OpenAI and vLLM answer; accepted names are the
 ``--served-model-name`` (the model path by default), ``default`` (the name SGLang's own
@@ -30,6 +34,11 @@ def install() -> None:
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
         check_request,
         HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_mm_limits",
+        images_only_for_our_multimodal_models,
+        HookType.BEFORE,
     )
     HookRegistry.register(
         "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request",
@@ -84,6 +93,22 @@ def _check_embedding_width(embeds, hidden_size: int) -> None:
 def _has_multimodal_data(obj) -> bool:
     """Multimodal prompts carry placeholder ids outside the vocabulary; SGLang checks those."""
     return any(getattr(obj, name, None) is not None for name in ("image_data", "video_data", "audio_data"))
+
+
+def images_only_for_our_multimodal_models(tokenizer_manager, obj) -> None:
+    """BEFORE-hook of ``_validate_mm_limits``: ``ValueError`` for video or audio our models cannot see."""
+    from sglang.srt.configs.model_config import ModelImpl
+    from sglang.srt.model_loader.utils import get_resolved_model_impl
+
+    if get_resolved_model_impl(tokenizer_manager.model_config) != ModelImpl.TRANSFORMERS:
+        return
+    sent = [kind for kind in ("video", "audio") if getattr(obj, f"{kind}_data", None)]
+    if sent:
+        raise ValueError(
+            f"this request carries {' and '.join(sent)}; sglang_hf_backend serves multimodal models "
+            "with image inputs only. Send images (image_url / image_data), or serve the model with "
+            "SGLang's native implementation (--model-impl sglang) if it has one."
+        )
 
 
 def served_models_only(handle_request, serving, request, raw_request):

@@ -61,3 +61,11 @@ def adapters(checkpoint, tmp_path_factory):
         return built[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def test_images(tmp_path_factory) -> dict:
+    """{"wide": path, "square": path}: the vision-language tests' PNGs."""
+    from sglang_hf_backend.testing.vision_language import write_test_images
+
+    return write_test_images(tmp_path_factory.mktemp("images"))

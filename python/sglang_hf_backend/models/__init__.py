@@ -5,13 +5,13 @@ SGLang resolves ``impl="transformers"`` to one of twelve names,
 "ForSequenceClassification")``, and other SGLang code keys off that prefix, so ours keep
 those names. Each is a base plus capability mixins, one line each. The MoE part of a name
 changes nothing for us (the MoE fuser finds sparse blocks in any model); the mixin reports
-the experts. Multimodal models are refused until their mixin exists.
+the experts. The multimodal mixin puts the HF vision tower in front of the language model.
 """
 
 from sglang_hf_backend.models.base import TransformersBase
 from sglang_hf_backend.models.causal import CausalMixin
 from sglang_hf_backend.models.moe import MoEMixin
-from sglang_hf_backend.models.multimodal import MultiModalRefusal
+from sglang_hf_backend.models.multimodal import MultiModalMixin
 from sglang_hf_backend.models.pooling import ClassificationMixin, EmbeddingMixin
 
 
@@ -33,27 +33,27 @@ class TransformersForSequenceClassification(ClassificationMixin, TransformersBas
 class TransformersMoEForSequenceClassification(MoEMixin, ClassificationMixin, TransformersBase): ...
 
 
-class TransformersMultiModalForCausalLM(MultiModalRefusal, CausalMixin, TransformersBase): ...
+class TransformersMultiModalForCausalLM(MultiModalMixin, CausalMixin, TransformersBase): ...
 
 
-class TransformersMultiModalMoEForCausalLM(MultiModalRefusal, MoEMixin, CausalMixin, TransformersBase): ...
+class TransformersMultiModalMoEForCausalLM(MultiModalMixin, MoEMixin, CausalMixin, TransformersBase): ...
 
 
-class TransformersMultiModalEmbeddingModel(MultiModalRefusal, EmbeddingMixin, TransformersBase): ...
+class TransformersMultiModalEmbeddingModel(MultiModalMixin, EmbeddingMixin, TransformersBase): ...
 
 
 class TransformersMultiModalMoEEmbeddingModel(
-    MultiModalRefusal, MoEMixin, EmbeddingMixin, TransformersBase
+    MultiModalMixin, MoEMixin, EmbeddingMixin, TransformersBase
 ): ...
 
 
 class TransformersMultiModalForSequenceClassification(
-    MultiModalRefusal, ClassificationMixin, TransformersBase
+    MultiModalMixin, ClassificationMixin, TransformersBase
 ): ...
 
 
 class TransformersMultiModalMoEForSequenceClassification(
-    MultiModalRefusal, MoEMixin, ClassificationMixin, TransformersBase
+    MultiModalMixin, MoEMixin, ClassificationMixin, TransformersBase
 ): ...
 
 

@@ -36,21 +36,53 @@ from sglang_hf_backend.weights import CheckpointNames, check_checkpoint_files
 @dataclasses.dataclass
 class Analysis:
     hf_model: PreTrainedModel  # on meta: parameters hold no memory
+    # The text backbone and its name: "model", "transformer", "model.language_model"; a base
+    # class (BertModel) is its own backbone, named by its base_model_prefix.
+    backbone: nn.Module
+    backbone_path: str
     trace: ModelTrace
     tp_layout: TPLayout
     fusions: FusionPlan
+    multimodal: bool = False  # the backbone is the language model of a multimodal model
 
 
 def analyse(
-    config: PretrainedConfig, trust_remote_code: bool, tp_size: int, task: str = "causal"
+    config: PretrainedConfig,
+    trust_remote_code: bool,
+    tp_size: int,
+    task: str = "causal",
+    multimodal: bool = False,
 ) -> Analysis:
-    hf_class = compat.resolve_hf_class(config, trust_remote_code, task)
+    """Everything about the model that is decided before a parameter exists.
+
+    For a multimodal model the backbone is its language model (what SGLang's attention,
+    parallel layers and fusions serve); the vision tower and projector stay HF modules.
+    """
+    hf_class = compat.resolve_hf_class(config, trust_remote_code, task, multimodal)
     compat.check_attention_interface(hf_class)
     hf_model = build_on_meta(hf_class, without_cpu_padding(config))
-    trace = trace_backbone(hf_model)
-    layout = plan_tensor_parallel(hf_model.base_model, trace, tp_size)
+    if multimodal:
+        path = language_model_path(hf_model)
+        backbone = hf_model.get_submodule(path)
+    else:
+        path, backbone = hf_model.base_model_prefix, hf_model.base_model
+    trace = trace_backbone(hf_model, backbone)
+    layout = plan_tensor_parallel(backbone, trace, tp_size)
     fusions = plan_fusions(trace, FusionContext(tp_size, layout))
-    return Analysis(hf_model, trace, layout, fusions)
+    return Analysis(hf_model, backbone, path, trace, layout, fusions, multimodal)
+
+
+def language_model_path(hf_model: PreTrainedModel) -> str:
+    """Where a multimodal model keeps its language model (``model.language_model`` in transformers 5)."""
+    decoder = hf_model.get_decoder()
+    path = next((name for name, module in hf_model.named_modules() if module is decoder), None)
+    if not path or decoder is hf_model.base_model:
+        raise compat.IncompatibleModelError(
+            f"{type(hf_model).__name__} has no language model apart from its other towers "
+            "(get_decoder() finds none), so sglang_hf_backend cannot tell which part to serve "
+            "on SGLang's attention."
+        )
+    return path
 
 
 def preflight(
@@ -63,36 +95,57 @@ def preflight(
     lora_paths=None,
     max_lora_rank: int | None = None,
     pp_size: int = 1,
+    attention_backend: str | None = None,
 ) -> None:
     """Everything checkable before SGLang starts: path, class, attention gate, TP layout, fusions,
-    quantization, the checkpoint's files (from their headers), the LoRA adapters named and
-    where pipeline stages cut."""
+    quantization, the checkpoint's files (from their headers), the LoRA adapters named, where
+    pipeline stages cut, and whether the attention backend reproduces a VLM's image masks."""
     directory = local_checkpoint(model_path)
     class_name = compat.sglang_backend_class(model_path, trust_remote_code, revision, is_embedding)
-    if "MultiModal" in class_name:
-        raise compat.multimodal_refusal(class_name)
+    multimodal = compat.is_multimodal_class(class_name)
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code, revision=revision)
-    analysis = analyse(config, trust_remote_code, tp_size, compat.backend_task(class_name))
+    analysis = analyse(config, trust_remote_code, tp_size, compat.backend_task(class_name), multimodal)
+    if multimodal:
+        check_no_lora(class_name, lora_paths)
+        check_image_masks(analysis, class_name, attention_backend)
     if pp_size > 1:
         check_pipeline_split(analysis, class_name, compat.backend_task(class_name), pp_size)
     if torchao is not None:
-        backbone = analysis.hf_model.base_model
-        torchao.check_group_size(local_input_features(backbone, analysis.tp_layout, tp_size))
+        torchao.check_group_size(local_input_features(analysis.backbone, analysis.tp_layout, tp_size))
     if directory is not None:
         check_checkpoint_files(directory, analysis.hf_model, CheckpointNames.of(analysis.hf_model))
     if lora_paths:
         packed = analysis.fusions.packed_modules_mapping()
-        linears = linear_paths(analysis.hf_model, analysis.tp_layout)
+        linears = linear_paths(analysis)
         preflight_adapters(lora_paths, linears, packed, type(analysis.hf_model).__name__, max_lora_rank)
+
+
+def check_image_masks(analysis: Analysis, class_name: str, attention_backend: str | None) -> None:
+    """Masks over image tokens must be ones our attention reproduces, on the backend chosen."""
+    from sglang_hf_backend.models.multimodal import check_span_backend, image_tokens_attend_both_ways
+
+    if image_tokens_attend_both_ways(analysis.hf_model):
+        check_span_backend(class_name, attention_backend)
+
+
+def check_no_lora(class_name: str, lora) -> None:
+    """LoRA adapters are served on text models only."""
+    if lora:
+        raise compat.IncompatibleModelError(
+            f"{class_name}: sglang_hf_backend serves LoRA adapters on text models only; serve "
+            "this multimodal model without --enable-lora / --lora-paths."
+        )
 
 
 def check_pipeline_split(analysis: Analysis, class_name: str, task: str, pp_size: int) -> DecoderStack:
     """The decoder stack pipeline stages cut: causal LMs only, cut exactly, a layer or more each."""
-    if task != "causal":
+    if task != "causal" or analysis.multimodal:
+        what = "a multimodal model" if analysis.multimodal else task
         raise compat.IncompatibleModelError(
-            f"pipeline parallelism serves causal LMs; {class_name} serves {task}. Use pp_size=1."
+            f"pipeline parallelism serves text causal LMs; {class_name} serves {what}. Use pp_size=1 "
+            "(tp_size splits it instead)."
         )
-    stack = decoder_stack(analysis.hf_model, analysis.trace)
+    stack = decoder_stack(analysis.backbone, analysis.trace)
     if stack.num_layers < pp_size:
         raise compat.IncompatibleModelError(
             f"pp_size={pp_size} needs at least one decoder layer per stage; the model has {stack.num_layers}."
@@ -100,11 +153,13 @@ def check_pipeline_split(analysis: Analysis, class_name: str, task: str, pp_size
     return stack
 
 
-def linear_paths(hf_model: PreTrainedModel, layout: TPLayout) -> list[str]:
+def linear_paths(analysis: Analysis) -> list[str]:
     """Paths (in the HF model) of the linears the backbone's layout places."""
-    prefix = f"{hf_model.base_model_prefix}." if hf_model.base_model_prefix else ""
+    prefix = f"{analysis.backbone_path}." if analysis.backbone_path else ""
     return [
-        f"{prefix}{name}" for name in layout.placements if is_linear(hf_model.base_model.get_submodule(name))
+        f"{prefix}{name}"
+        for name in analysis.tp_layout.placements
+        if is_linear(analysis.backbone.get_submodule(name))
     ]
 
 
@@ -123,11 +178,11 @@ def local_checkpoint(model_path: str) -> Path | None:
 _HUB_ID = re.compile(r"[\w][\w.-]*(/[\w][\w.-]*)?")
 
 
-def trace_backbone(hf_model: PreTrainedModel) -> ModelTrace:
+def trace_backbone(hf_model: PreTrainedModel, backbone: nn.Module) -> ModelTrace:
     """The backbone's trace (expert banks kept opaque); a model that cannot be traced is refused."""
     name = type(hf_model).__name__
     try:
-        trace = trace_model(hf_model.base_model, opaque=is_expert_bank)
+        trace = trace_model(backbone, opaque=is_expert_bank)
     except Exception as reason:
         raise compat.IncompatibleModelError(
             f"{name} could not be run on meta tensors to find its layers "
@@ -175,8 +230,17 @@ def build_on_meta(hf_class: type[PreTrainedModel], config: PretrainedConfig) -> 
     options = {"experts_implementation": "eager"} if hf_class._can_set_experts_implementation() else {}
     with _parameters_on_meta():
         return hf_class._from_config(
-            config, dtype=torch.get_default_dtype(), attn_implementation=ATTENTION_NAME, **options
+            config, dtype=torch.get_default_dtype(), attn_implementation=attention_choice(config), **options
         )
+
+
+def attention_choice(config: PretrainedConfig) -> str | dict[str, str]:
+    """Our attention function for the language model; towers that see no KV cache (a vision
+    encoder) keep torch's SDPA, since they run as HF code on each request's own inputs."""
+    towers = [key for key in getattr(config, "sub_configs", {}) if key != "text_config"]
+    if not towers:
+        return ATTENTION_NAME
+    return {"": ATTENTION_NAME, "text_config": ATTENTION_NAME, **{key: "sdpa" for key in towers}}
 
 
 @contextlib.contextmanager

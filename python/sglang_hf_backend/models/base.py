@@ -47,6 +47,7 @@ class TransformersBase(LoRALayers, nn.Module):
     # replaces it with the names its own fusions packed.
     packed_modules_mapping = declared_packed_modules()
     task: str  # "causal" | "embedding" | "classification", set by the capability mixin
+    multimodal = False  # media in besides text (the multimodal mixin serves them)
 
     def __init__(self, config: PretrainedConfig, quant_config=None, prefix: str = "") -> None:
         super().__init__()
@@ -55,11 +56,13 @@ class TransformersBase(LoRALayers, nn.Module):
         self.quant_config = quant_config
         self.tp_size = get_parallel().tp_size
 
-        analysis = analyse(config, get_server_args().trust_remote_code, self.tp_size, self.task)
+        analysis = analyse(
+            config, get_server_args().trust_remote_code, self.tp_size, self.task, self.multimodal
+        )
         hf_model = analysis.hf_model
         self.hf_class_name = type(hf_model).__name__
-        self.backbone_name = hf_model.base_model_prefix
-        backbone = hf_model.base_model
+        self.backbone_path = analysis.backbone_path
+        backbone = analysis.backbone
         self.model_trace: ModelTrace = analysis.trace
         self.tp_layout: TPLayout = analysis.tp_layout
         self.fusions = analysis.fusions
@@ -71,7 +74,7 @@ class TransformersBase(LoRALayers, nn.Module):
             fused_routes = apply_fusions(backbone, self.model_trace, self.fusions, quant_config)
             replace_linears(backbone, self.tp_layout, self.tp_size, quant_config)
         self.weight_routes: dict[str, Routing] = {
-            f"{self.backbone_name}.{name}": route.under(self.backbone_name)
+            f"{self.backbone_path}.{name}": route.under(self.backbone_path)
             for name, route in fused_routes.items()
         }
         self.packed_modules_mapping = self.fusions.packed_modules_mapping()
@@ -88,7 +91,13 @@ class TransformersBase(LoRALayers, nn.Module):
         )
         check_kv_cache_layout(self.attention_layers, config, self.tp_size)
         materialise_meta_parameters(backbone, keep_linears_on_meta=self.torchao is not None)
-        setattr(self, self.backbone_name, backbone)
+        # Under its HF name, so parameter names are the checkpoint's; a multimodal model's
+        # language model comes with the HF child that holds it and the towers.
+        if analysis.multimodal:
+            top = self.backbone_path.split(".")[0]
+            setattr(self, top, hf_model.get_submodule(top))
+        else:
+            setattr(self, self.backbone_path, backbone)
         self.checkpoint_names = CheckpointNames.of(hf_model)
         self.position_offset = position_offset(backbone)
         # Segment ids of sentence pairs (cross-encoder rerank) reach backbones that take them.
@@ -103,14 +112,14 @@ class TransformersBase(LoRALayers, nn.Module):
         if parallel.pp_size == 1:
             return PipelineStage.whole(self.text_config.num_hidden_layers)
         stack = check_pipeline_split(analysis, self.hf_class_name, self.task, parallel.pp_size)
-        stage = split_backbone(backbone, self.backbone_name, stack, parallel.pp_rank, parallel.pp_size)
+        stage = split_backbone(backbone, self.backbone_path, stack, parallel.pp_rank, parallel.pp_size)
         diagnostics.decision(
             "pipeline stage %d of %d: decoder layers %d-%d of %s.%s (%s)%s%s",
             stage.rank,
             stage.size,
             stage.start,
             stage.end - 1,
-            self.backbone_name,
+            self.backbone_path,
             stack.path,
             stack.source,
             "" if stage.is_first else ", embeddings on the first stage",
@@ -120,7 +129,8 @@ class TransformersBase(LoRALayers, nn.Module):
 
     def compile_step(self) -> compilation.CompiledStep | None:
         args = get_server_args()
-        why_not = compilation.eager_reason(self.pipeline.size, bool(args.enable_lora or args.lora_paths))
+        lora = bool(args.enable_lora or args.lora_paths)
+        why_not = compilation.eager_reason(self.pipeline.size, lora, self.multimodal)
         if why_not is not None:
             diagnostics.decision("torch.compile: serving eagerly, since %s", why_not)
             return None
@@ -144,7 +154,7 @@ class TransformersBase(LoRALayers, nn.Module):
 
     @property
     def backbone(self) -> PreTrainedModel:
-        return getattr(self, self.backbone_name)
+        return self.get_submodule(self.backbone_path)
 
     def get_input_embeddings(self) -> nn.Module:
         return self.backbone.get_input_embeddings()
@@ -189,13 +199,17 @@ class TransformersBase(LoRALayers, nn.Module):
         inputs = dict(
             input_ids=None if input_embeds is not None else input_ids[None],
             inputs_embeds=None if input_embeds is None else input_embeds[None],
-            position_ids=positions[None] + self.position_offset,
+            position_ids=self.position_ids(positions, forward_batch),
             **extra,
         )
         if self.compiled_step is not None:
             return self.compiled_step(forward_batch, **inputs)[0]
         outputs = self.backbone(**inputs, use_cache=False, return_dict=True, forward_batch=forward_batch)
         return outputs.last_hidden_state[0]
+
+    def position_ids(self, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        """The backbone's ``position_ids`` ``[1, tokens]`` for SGLang's flat positions."""
+        return positions[None] + self.position_offset
 
     # -- weights ---------------------------------------------------------------
     def tied_parameters(self) -> set[str]:

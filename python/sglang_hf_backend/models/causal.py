@@ -53,7 +53,7 @@ class CausalMixin:
     def embedding_path(self) -> str:
         embedding = self.get_input_embeddings()
         path = next(name for name, module in self.backbone.named_modules() if module is embedding)
-        return f"{self.backbone_name}.{path}"
+        return f"{self.backbone_path}.{path}"
 
     def tied_parameters(self) -> set[str]:
         shared = self.tie_word_embeddings and self.pipeline.is_first and self.pipeline.is_last

@@ -25,7 +25,6 @@ from sglang.srt.layers.utils import PPMissingLayer
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from torch import nn
 from torch.utils._pytree import tree_flatten
-from transformers import PreTrainedModel
 
 from sglang_hf_backend.compat import IncompatibleModelError
 from sglang_hf_backend.surgery.trace import ModelTrace
@@ -44,10 +43,9 @@ class DecoderStack:
     after: tuple[str, ...]  # backbone children with weights run after the stack (the final norm)
 
 
-def decoder_stack(hf_model: PreTrainedModel, trace: ModelTrace) -> DecoderStack:
-    """The decoder stack of ``hf_model`` and how its layers return, or why it cannot be cut."""
-    backbone = hf_model.base_model
-    name = type(hf_model).__name__
+def decoder_stack(backbone: nn.Module, trace: ModelTrace) -> DecoderStack:
+    """The decoder stack of ``backbone`` and how its layers return, or why it cannot be cut."""
+    name = type(backbone).__name__
     path, source = _planned_stack(backbone), "the model's pp plan"
     if path is None:
         path, source = _attention_stack(backbone, trace, name), "inferred from the trace"

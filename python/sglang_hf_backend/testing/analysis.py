@@ -11,11 +11,15 @@ from sglang_hf_backend.models.analysis import Analysis, analyse
 
 
 def analyse_checkpoint(
-    path: Path, trust_remote_code: bool = False, tp_size: int = 1, task: str = "causal"
+    path: Path,
+    trust_remote_code: bool = False,
+    tp_size: int = 1,
+    task: str = "causal",
+    multimodal: bool = False,
 ) -> Analysis:
     register_attention_function()
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    return analyse(config, trust_remote_code, tp_size, task)
+    return analyse(config, trust_remote_code, tp_size, task, multimodal)
 
 
 def class_named(analysis: Analysis, name: str) -> type:

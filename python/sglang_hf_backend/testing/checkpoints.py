@@ -40,7 +40,7 @@ _COMMON = dict(
     pad_token_id=PAD_ID,
     max_position_embeddings=2048,
 )
-_DECODER = dict(
+TINY_DECODER = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
@@ -52,7 +52,7 @@ _DECODER = dict(
 
 def _config(class_name: str, **overrides) -> Callable[[], PretrainedConfig]:
     def make() -> PretrainedConfig:
-        params = dict(_DECODER)
+        params = dict(TINY_DECODER)
         params.update(overrides)
         return getattr(transformers, class_name)(**params)
 
@@ -136,19 +136,6 @@ REMOTE_MODELS = {
 }
 INCOMPATIBLE_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
     "gptj": lambda: transformers.GPTJConfig(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, **_COMMON),
-    # a vision-language model: SGLang resolves it to a TransformersMultiModal... class
-    "llava": lambda: transformers.LlavaConfig(
-        vision_config=transformers.CLIPVisionConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=32,
-            patch_size=8,
-        ),
-        text_config=transformers.LlamaConfig(**_DECODER),
-        image_token_index=VOCAB_SIZE - 1,
-    ),
 }
 
 
@@ -181,7 +168,7 @@ POOLING_MODELS: dict[str, tuple[type, Callable[[], PretrainedConfig], str | None
     # a decoder embedder in the Qwen3-Embedding layout: last-token pooling, Matryoshka dimensions
     "qwen3-embedding": (
         AutoModel,
-        lambda: transformers.Qwen3Config(**{**_DECODER, "head_dim": 16, "is_matryoshka": True}),
+        lambda: transformers.Qwen3Config(**{**TINY_DECODER, "head_dim": 16, "is_matryoshka": True}),
         "pooling_mode_lasttoken",
     ),
     "bert-embedding": (
@@ -192,7 +179,7 @@ POOLING_MODELS: dict[str, tuple[type, Callable[[], PretrainedConfig], str | None
     "qwen3-classifier": (
         AutoModelForSequenceClassification,
         lambda: transformers.Qwen3Config(
-            **{**_DECODER, "head_dim": 16}, id2label={0: "negative", 1: "neutral", 2: "positive"}
+            **{**TINY_DECODER, "head_dim": 16}, id2label={0: "negative", 1: "neutral", 2: "positive"}
         ),
         None,
     ),
@@ -218,7 +205,7 @@ POOLING_MODELS: dict[str, tuple[type, Callable[[], PretrainedConfig], str | None
     # one score per sequence, as reward models give
     "llama-reward": (
         AutoModelForSequenceClassification,
-        lambda: transformers.LlamaConfig(**_DECODER, num_labels=1),
+        lambda: transformers.LlamaConfig(**TINY_DECODER, num_labels=1),
         None,
     ),
 }
@@ -231,12 +218,17 @@ def build_checkpoint(name: str, out_dir: str | Path, tokenizer_dir: str | Path, 
     torch.manual_seed(seed)
     if name in POOLING_MODELS:
         return _pooling_model(name, out_dir, tokenizer_dir)
+    from sglang_hf_backend.testing.vision_language import (
+        VISION_LANGUAGE_MODELS,
+        build_vision_language_checkpoint,
+    )
+
+    if name in VISION_LANGUAGE_MODELS:
+        return build_vision_language_checkpoint(name, out_dir, tokenizer_dir)
     if name in REMOTE_MODELS:
         model = _remote_model(*REMOTE_MODELS[name], out_dir)
     elif name in ENCODER_MODELS:
         model = AutoModel.from_config(ENCODER_MODELS[name](), dtype=torch.float32)
-    elif name == "llava":
-        model = transformers.LlavaForConditionalGeneration(INCOMPATIBLE_MODELS[name]())
     else:
         config = {**TINY_MODELS, **INCOMPATIBLE_MODELS}[name]()
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -58,7 +58,7 @@ def test_two_data_parallel_replicas_match_hf(checkpoint):
     "name, options, reason",
     [
         ("remote-mixed", {}, "cannot be split into pipeline stages exactly: layer 0's output is also read"),
-        ("llama", {"is_embedding": True}, "pipeline parallelism serves causal LMs"),
+        ("llama", {"is_embedding": True}, "pipeline parallelism serves text causal LMs"),
     ],
 )
 def test_what_cannot_be_cut_is_refused_before_start(checkpoint, name, options, reason):

@@ -6,6 +6,7 @@ import pytest
 
 from sglang_hf_backend.models.analysis import Analysis
 from sglang_hf_backend.testing.analysis import analyse_checkpoint
+from sglang_hf_backend.testing.vision_language import VISION_LANGUAGE_MODELS
 
 
 @pytest.fixture(scope="session")
@@ -16,7 +17,10 @@ def analysis(checkpoint):
     def get(name: str, tp_size: int = 1, task: str = "causal") -> Analysis:
         if (name, tp_size, task) not in cache:
             path = checkpoint(name)
-            cache[name, tp_size, task] = analyse_checkpoint(path, name.startswith("remote"), tp_size, task)
+            multimodal = name in VISION_LANGUAGE_MODELS
+            cache[name, tp_size, task] = analyse_checkpoint(
+                path, name.startswith("remote"), tp_size, task, multimodal
+            )
         return cache[name, tp_size, task]
 
     return get

@@ -3,8 +3,9 @@
 SGLang builds ``"Transformers" + ["MultiModal"] + ["MoE"] + (ForCausalLM | EmbeddingModel |
 ForSequenceClassification)``. The six text names are served by our classes (SGLang's own
 resolution is checked for each checkpoint, then the engine's load report names the class,
-and outputs are compared with HF); the six multimodal names are refused before any weight
-is read, with the alternatives, until the multimodal mixin exists.
+and outputs are compared with HF); a vision-language checkpoint resolves to ``TransformersMultiModalForCausalLM``, served
+by ours (``test_multimodal.py`` covers it in depth), and with ``is_embedding`` to
+``TransformersMultiModalEmbeddingModel``, whose image + text embeddings match HF's.
 """
 
 from __future__ import annotations
@@ -12,19 +13,22 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import sglang as sgl
 import torch
-from transformers import AutoConfig
 
 from sglang_hf_backend import compat, plugin
-from sglang_hf_backend.compat import IncompatibleModelError
 from sglang_hf_backend.models import ENTRY_CLASSES
 from sglang_hf_backend.testing.engines import (
     PROMPTS,
     encode_case,
     engine_case,
     hf_classifier_logits,
+    running_engine,
     sentence_transformers_embeddings,
+)
+from sglang_hf_backend.testing.vision_language import (
+    IMAGE_PROMPTS,
+    hf_image_last_token_embeddings,
+    vision_case,
 )
 
 NAMES = [
@@ -85,21 +89,23 @@ def test_text_names_are_served_by_our_class(checkpoint, name):
     assert {r["model_class"] for r in case.reports} == {f"sglang_hf_backend.models.{name}"}
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if "MultiModal" in n])
-def test_multimodal_names_refuse_before_building_anything(checkpoint, name):
-    cls = next(c for c in ENTRY_CLASSES if c.__name__ == name)
-    config = AutoConfig.from_pretrained(checkpoint("llava"))
-    with pytest.raises(IncompatibleModelError, match=f"{name}: a multimodal model .*model_impl='sglang'"):
-        cls(config)
+def test_vision_language_checkpoint_is_served_by_our_multimodal_class(checkpoint, test_images):
+    name = "TransformersMultiModalForCausalLM"
+    assert compat.sglang_backend_class(str(checkpoint("llava")), False, None, False) == name
+    case = vision_case(checkpoint, test_images, "llava")
+    assert {r["model_class"] for r in case.reports} == {f"sglang_hf_backend.models.{name}"}
+    assert case.batched == case.reference
 
 
-@pytest.mark.parametrize(
-    ("options", "name"),
-    [
-        ({}, "TransformersMultiModalForCausalLM"),
-        ({"is_embedding": True}, "TransformersMultiModalEmbeddingModel"),
-    ],
-)
-def test_multimodal_checkpoint_is_refused_in_the_launching_process(checkpoint, options, name):
-    with pytest.raises(IncompatibleModelError, match=f"resolved this checkpoint to {name}"):
-        sgl.Engine(model_path=str(checkpoint("llava")), impl="transformers", **options)
+def test_vision_language_embeddings_are_served_by_our_multimodal_embedding_class(checkpoint, test_images):
+    path = checkpoint("llava")
+    name = "TransformersMultiModalEmbeddingModel"
+    assert compat.sglang_backend_class(str(path), False, None, True) == name
+    texts = [prompt.render("llava") for prompt in IMAGE_PROMPTS]
+    pictures = [str(test_images[prompt.image]) if prompt.image else None for prompt in IMAGE_PROMPTS]
+    with running_engine(path, impl="transformers", is_embedding=True) as engine:
+        encoded = engine.engine.encode(prompt=texts, image_data=pictures)
+        reports = engine.load_reports()
+    assert {r["model_class"] for r in reports} == {f"sglang_hf_backend.models.{name}"}
+    ours = torch.tensor([o["embedding"] for o in encoded])
+    assert (ours - hf_image_last_token_embeddings(path, "llava", test_images)).abs().max() <= 1e-4

@@ -20,7 +20,7 @@ from sglang_hf_backend.testing.analysis import analyse_checkpoint
 )
 def test_decoder_stack_from_the_plan_or_the_trace(analysis, model, path, source, after):
     found = analysis(model)
-    stack = decoder_stack(found.hf_model, found.trace)
+    stack = decoder_stack(found.backbone, found.trace)
     assert (stack.path, stack.num_layers, stack.source, stack.returns_tensor) == (path, 2, source, True)
     assert stack.after == after
 
@@ -28,14 +28,14 @@ def test_decoder_stack_from_the_plan_or_the_trace(analysis, model, path, source,
 def test_layers_read_across_the_stack_are_refused(analysis):
     found = analysis("remote-mixed")
     with pytest.raises(IncompatibleModelError, match="cannot be split.*layer 0's output is also read by"):
-        decoder_stack(found.hf_model, found.trace)
+        decoder_stack(found.backbone, found.trace)
 
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_stage_holds_its_layers_and_its_end_of_the_model(checkpoint, rank):
     found = analyse_checkpoint(checkpoint("gpt2"))  # its own copy: the split rewrites the model
-    backbone = found.hf_model.base_model
-    stage = split_backbone(backbone, "transformer", decoder_stack(found.hf_model, found.trace), rank, 2)
+    backbone = found.backbone
+    stage = split_backbone(backbone, "transformer", decoder_stack(backbone, found.trace), rank, 2)
     assert (stage.start, stage.end, stage.is_first, stage.is_last) == (rank, rank + 1, rank == 0, rank == 1)
     other = 1 - rank
     assert isinstance(backbone.h[other], SkippedLayer) and not isinstance(backbone.h[rank], SkippedLayer)

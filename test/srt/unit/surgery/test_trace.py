@@ -63,4 +63,5 @@ class _Model(nn.Module):
 
 def test_a_model_that_cannot_run_on_meta_is_refused_with_the_reason():
     with pytest.raises(IncompatibleModelError, match="could not be run on meta tensors .*nonzero"):
-        trace_backbone(_Model())
+        model = _Model()
+        trace_backbone(model, model.base_model)
