@@ -57,7 +57,8 @@ class MultiModalMixin:
                 f"{self.hf_class_name} has no get_image_features; sglang_hf_backend serves "
                 "multimodal models that turn images into embeddings that way."
             )
-        materialise_meta_parameters(self.towers)  # the vision tower and projector, replicated
+        # the vision tower and projector, replicated; our linears wait on meta for quantized loading
+        materialise_meta_parameters(self.towers, keep_linears_on_meta=self.torchao is not None)
         self.image_arguments = set(inspect.signature(self.towers.get_image_features).parameters)
         self.uses_mrope = "mrope_section" in (rope_parameters(self.text_config) or {})
         self.image_spans_bidirectional = image_tokens_attend_both_ways(hf_model)

@@ -48,3 +48,13 @@ def test_same_image_again_reuses_the_cached_prompt(case):
 def test_different_image_shares_only_the_text_before_it(case):
     assert case.other_image["cached_tokens"] <= case.tokens_before_image
     assert case.other_image["output_ids"] == case.other_image_reference
+
+
+def test_torchao_quantizes_the_language_model_and_keeps_the_tower(checkpoint, test_images):
+    plain = vision_case(checkpoint, test_images, "llava")
+    quantized = vision_case(checkpoint, test_images, "llava", torchao_config="int8wo")
+    (report,) = quantized.reports
+    assert report["quantized_linears"] == 2 * 4  # qkv, o, gate_up, down in each of 2 layers
+    assert report["quantized_weight_types"] == ["Int8Tensor"]
+    assert report["tower_weight_bytes"] == plain.reports[0]["tower_weight_bytes"]  # full precision
+    assert quantized.batched == quantized.one_at_a_time
