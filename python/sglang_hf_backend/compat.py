@@ -49,6 +49,12 @@ def resolve_hf_class(
     transformers maps this config type to for the task. An embedding model is served
     from any class's backbone; a classifier needs a class with its head.
     """
+    if multimodal and task == "classification":
+        raise IncompatibleModelError(
+            "sglang_hf_backend serves multimodal models as causal LMs and embedding models; "
+            "classifying images with text is not served yet. Serve it with SGLang's native "
+            "implementation (model_impl='sglang') if SGLang has one."
+        )
     auto_keys, mapping, what = MULTIMODAL_CAUSAL if multimodal and task == "causal" else TASKS[task]
     architecture = (getattr(config, "architectures", None) or [None])[0]
     builtin = getattr(transformers, architecture, None) if architecture else None

@@ -5,7 +5,8 @@ ForSequenceClassification)``. The six text names are served by our classes (SGLa
 resolution is checked for each checkpoint, then the engine's load report names the class,
 and outputs are compared with HF); a vision-language checkpoint resolves to ``TransformersMultiModalForCausalLM``, served
 by ours (``test_multimodal.py`` covers it in depth), and with ``is_embedding`` to
-``TransformersMultiModalEmbeddingModel``, whose image + text embeddings match HF's.
+``TransformersMultiModal(MoE)EmbeddingModel``, whose image + text embeddings match HF's; the
+two multimodal classifier names are refused before anything is built.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import itertools
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 from sglang_hf_backend import compat, plugin
+from sglang_hf_backend.compat import IncompatibleModelError
 from sglang_hf_backend.models import ENTRY_CLASSES
 from sglang_hf_backend.testing.engines import (
     PROMPTS,
@@ -97,15 +100,30 @@ def test_vision_language_checkpoint_is_served_by_our_multimodal_class(checkpoint
     assert case.batched == case.reference
 
 
-def test_vision_language_embeddings_are_served_by_our_multimodal_embedding_class(checkpoint, test_images):
-    path = checkpoint("llava")
-    name = "TransformersMultiModalEmbeddingModel"
+@pytest.mark.parametrize(
+    "model, name",
+    [
+        ("llava", "TransformersMultiModalEmbeddingModel"),
+        ("llava-mixtral", "TransformersMultiModalMoEEmbeddingModel"),
+    ],
+)
+def test_vision_language_embeddings_are_served_by_our_multimodal_embedding_classes(
+    checkpoint, test_images, model, name
+):
+    path = checkpoint(model)
     assert compat.sglang_backend_class(str(path), False, None, True) == name
-    texts = [prompt.render("llava") for prompt in IMAGE_PROMPTS]
+    texts = [prompt.render(model) for prompt in IMAGE_PROMPTS]
     pictures = [str(test_images[prompt.image]) if prompt.image else None for prompt in IMAGE_PROMPTS]
     with running_engine(path, impl="transformers", is_embedding=True) as engine:
         encoded = engine.engine.encode(prompt=texts, image_data=pictures)
         reports = engine.load_reports()
     assert {r["model_class"] for r in reports} == {f"sglang_hf_backend.models.{name}"}
     ours = torch.tensor([o["embedding"] for o in encoded])
-    assert (ours - hf_image_last_token_embeddings(path, "llava", test_images)).abs().max() <= 1e-4
+    assert (ours - hf_image_last_token_embeddings(path, model, test_images)).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if "MultiModal" in n and "Classification" in n])
+def test_multimodal_classifiers_are_refused_before_building_anything(checkpoint, name):
+    cls = next(c for c in ENTRY_CLASSES if c.__name__ == name)
+    with pytest.raises(IncompatibleModelError, match="classifying images with text is not served yet"):
+        cls(AutoConfig.from_pretrained(checkpoint("llava")))
