@@ -124,6 +124,8 @@ def test_vision_language_embeddings_are_served_by_our_multimodal_embedding_class
 
 @pytest.mark.parametrize("name", [n for n in NAMES if "MultiModal" in n and "Classification" in n])
 def test_multimodal_classifiers_are_refused_before_building_anything(checkpoint, name):
-    cls = next(c for c in ENTRY_CLASSES if c.__name__ == name)
+    """The resolution the launching process's preflight runs for the class name SGLang picked."""
+    config = AutoConfig.from_pretrained(checkpoint("llava"))
+    task, multimodal = compat.backend_task(name), compat.is_multimodal_class(name)
     with pytest.raises(IncompatibleModelError, match="classifying images with text is not served yet"):
-        cls(AutoConfig.from_pretrained(checkpoint("llava")))
+        compat.resolve_hf_class(config, False, task, multimodal)
