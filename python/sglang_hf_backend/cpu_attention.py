@@ -7,8 +7,10 @@ each layer then does one ``index_select`` of its K/V from the paged pool and one
 attention call over the whole batch, with grouped-query attention done without copying
 K/V per query head. Decode, prefill with radix-cache prefixes, chunked prefill and mixed
 batches all reduce to "new tokens at known positions attending to cached tokens".
-Attention itself is torch's CPU flash-attention kernel (SDPA) for decode and prefill
-alike; soft-capped layers, which SDPA cannot express, use batched grouped matmuls.
+Attention itself is torch's CPU flash-attention kernel (SDPA), except where batched
+grouped matmuls (``grouped_attention``) are faster or needed: soft-capped layers, which SDPA
+cannot express, and half-precision decode on CPUs without AMX, where SDPA's kernel is
+several times slower (``matmul_decode_pays``).
 Sliding windows and logit soft-capping are applied the way HF's eager attention does, and
 a multimodal model whose image tokens attend to each other both ways (Gemma3) hands each
 prefill's image spans to ``attend_within_spans``.
@@ -24,6 +26,8 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+from sglang_hf_backend.diagnostics import decision
 
 _SUPPORTED_MODES = {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.IDLE}
 
@@ -84,6 +88,14 @@ class CpuSdpaAttnBackend(AttentionBackend):
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.forward_metadata: BatchLayout | None = None
+        self.matmul_decode = matmul_decode_pays(model_runner.dtype)
+        decision(
+            "%s decodes with %s (%s, torch CPU capability %s)",
+            name,
+            "grouped matmuls" if self.matmul_decode else "torch's SDPA kernel",
+            model_runner.dtype,
+            torch.backends.cpu.get_cpu_capability(),
+        )
         if getattr(self.token_to_kv_pool, "swa_layer_nums", 0):
             raise ValueError(
                 f"{self.backend_name} does not serve hybrid sliding-window KV pools; "
@@ -164,11 +176,12 @@ class CpuSdpaAttnBackend(AttentionBackend):
             padded = query.new_zeros(batch * width, heads, head_dim)
             query = padded.index_copy_(0, layout.q_rows, query)
         query = query.view(batch, width, heads, head_dim).transpose(1, 2)
-        keys, values = self._gather(layer, layout, query.dtype)
+        softcap = layer.logit_cap if layer.logit_cap and layer.logit_cap > 0 else None
+        by_matmul = softcap is not None or (self.matmul_decode and layout.q_rows is None)
+        keys, values = self._gather(layer, layout, query.dtype, contiguous=by_matmul)
         causal = layer.attn_type != AttentionType.ENCODER_ONLY
         mask = layout.mask(causal, layer.sliding_window_size)
-        softcap = layer.logit_cap if layer.logit_cap and layer.logit_cap > 0 else None
-        if softcap is not None:
+        if by_matmul:
             out = grouped_attention(query, keys, values, mask, layer.scaling, softcap)
         else:
             out = F.scaled_dot_product_attention(
@@ -184,18 +197,33 @@ class CpuSdpaAttnBackend(AttentionBackend):
             out = out.index_select(0, layout.q_rows)
         return out
 
-    def _gather(self, layer, layout: BatchLayout, dtype: torch.dtype):
-        """This layer's K/V for every request: [B, kv_heads, L, dim], one gather each."""
+    def _gather(self, layer, layout: BatchLayout, dtype: torch.dtype, contiguous: bool):
+        """This layer's K/V for every request: [B, kv_heads, L, dim], one gather each
+        (``contiguous`` for the matmul path, which the transposed view slows down)."""
         flat = layout.kv_index.reshape(-1)
         batch, length = layout.kv_index.shape
         k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         keys = k_cache.index_select(0, flat).view(batch, length, *k_cache.shape[1:])
         values = v_cache.index_select(0, flat).view(batch, length, *v_cache.shape[1:])
-        return keys.transpose(1, 2).to(dtype), values.transpose(1, 2).to(dtype)
+        keys, values = keys.transpose(1, 2).to(dtype), values.transpose(1, 2).to(dtype)
+        if contiguous:
+            return keys.contiguous(), values.contiguous()
+        return keys, values
 
     def support_triton(self):
         return False
+
+
+def matmul_decode_pays(dtype: torch.dtype) -> bool:
+    """Whether grouped matmuls beat SDPA for decode: in bf16/fp16 on CPUs without AMX.
+
+    There SDPA's flash kernel is 5-7x slower on decode (AMD EPYC, AVX512-BF16, bf16, 32
+    requests x 256 cached tokens, 9/3 heads: 5.6 vs 0.82 ms per layer; 1024 tokens: 19.7
+    vs 3.6 ms). With AMX, or in fp32, SDPA is the faster one (Xeon with AMX: 0.59 vs 1.15 ms).
+    """
+    half = dtype in (torch.bfloat16, torch.float16)
+    return half and not torch.cpu._is_amx_tile_supported()
 
 
 # Score elements per chunk of requests in grouped_attention (bounds its memory on long prefills).
@@ -205,8 +233,7 @@ _MAX_SCORES = 1 << 26
 def grouped_attention(query, keys, values, mask, scaling: float, softcap: float | None) -> torch.Tensor:
     """Eager attention with query heads grouped by the KV head they share (GQA without copies).
 
-    For soft-capped layers only: SDPA has no soft-cap, and elsewhere it is faster (bf16
-    decode, 32 requests x 256 cached tokens, 9/3 heads: 0.59 vs 1.15 ms per layer here).
+    Used for soft-capped layers (SDPA has no soft-cap) and where ``matmul_decode_pays``.
     Soft-capping is applied as HF's eager attention does, ``softcap * tanh(scores /
     softcap)`` before masking.
     """

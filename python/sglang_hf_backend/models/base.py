@@ -134,7 +134,7 @@ class TransformersBase(LoRALayers, nn.Module):
         if why_not is not None:
             diagnostics.decision("torch.compile: serving eagerly, since %s", why_not)
             return None
-        return compilation.CompiledStep(self.backbone)
+        return compilation.CompiledStep(self.backbone, freeze=self.torchao is None and self.quant_config is None)
 
     def log_decisions(self) -> None:
         diagnostics.decision("serving %s with %s", self.hf_class_name, type(self).__name__)
@@ -230,6 +230,8 @@ class TransformersBase(LoRALayers, nn.Module):
         )
         loaded = loader.load(weights)
         check_all_loaded(loaded, expected, tied)
+        if self.compiled_step is not None:
+            self.compiled_step.weights_reloaded()
         details = self.load_report_details()
         if quantizer is not None:
             details.update(quantizer.summary())

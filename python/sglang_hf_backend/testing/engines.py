@@ -91,18 +91,18 @@ def running_engine(model_path: Path, extra_env: dict | None = None, **kwargs):
 
     from sglang_hf_backend.diagnostics import LOAD_REPORT_ENV
 
-    report_dir = Path(tempfile.mkdtemp(prefix="load-report-"))
     options = {**ENGINE_DEFAULTS, **kwargs}
     ranks = options.get("tp_size", 1) * options.get("pp_size", 1) * options.get("dp_size", 1)
     if ranks > 1:
         extra_env = {**cpu_bind_env(ranks), **(extra_env or {})}
-    # SGLang's subprocesses inherit the environment as it is while the engine starts.
-    with mock.patch.dict(os.environ, {LOAD_REPORT_ENV: str(report_dir), **(extra_env or {})}):
-        engine = sgl.Engine(model_path=str(model_path), **options)
-    try:
-        yield RunningEngine(engine, report_dir)
-    finally:
-        engine.shutdown()
+    with tempfile.TemporaryDirectory(prefix="load-report-") as report_dir:
+        # SGLang's subprocesses inherit the environment as it is while the engine starts.
+        with mock.patch.dict(os.environ, {LOAD_REPORT_ENV: report_dir, **(extra_env or {})}):
+            engine = sgl.Engine(model_path=str(model_path), **options)
+        try:
+            yield RunningEngine(engine, Path(report_dir))
+        finally:
+            engine.shutdown()
 
 
 class Server:

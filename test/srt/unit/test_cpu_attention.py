@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.nn.functional as F
 
-from sglang_hf_backend.cpu_attention import BatchLayout
+from sglang_hf_backend.cpu_attention import BatchLayout, grouped_attention, matmul_decode_pays
 
 
 def prefill_layout(lengths: list[int]) -> BatchLayout:
@@ -38,3 +40,39 @@ def test_a_sliding_window_still_bounds_how_far_back_a_span_token_sees():
     allowed = layout.mask(causal=True, window=1)[0, 0]
     assert allowed[2].tolist() == [False, True, True, True, True, True]  # back 1, forward to the span's end
     assert allowed[5].tolist() == [False, False, False, False, True, True]
+
+
+def decode_inputs(dtype: torch.dtype, lengths: list[int], heads: int = 6, kv_heads: int = 2, dim: int = 16):
+    """One decode step's query, cached K/V ([B, kv_heads, L, dim]) and padding mask."""
+    generator = torch.Generator().manual_seed(0)
+    batch, width = len(lengths), max(lengths)
+    query = torch.randn(batch, heads, 1, dim, generator=generator).to(dtype)
+    keys = torch.randn(batch, kv_heads, width, dim, generator=generator).to(dtype)
+    values = torch.randn(batch, kv_heads, width, dim, generator=generator).to(dtype)
+    mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
+    return query, keys, values, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_matmul_decode_matches_sdpa(dtype):
+    query, keys, values, mask = decode_inputs(dtype, [5, 9, 1])
+    expected = F.scaled_dot_product_attention(
+        query.float(), keys.float(), values.float(), attn_mask=mask, scale=0.25, enable_gqa=True
+    )
+    out = grouped_attention(query, keys, values, mask, 0.25, None)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "amx", "expected"),
+    [
+        (torch.bfloat16, False, True),
+        (torch.float16, False, True),
+        (torch.bfloat16, True, False),
+        (torch.float32, False, False),
+    ],
+)
+def test_matmul_decode_only_for_half_precision_without_amx(monkeypatch, dtype, amx, expected):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert matmul_decode_pays(dtype) is expected
