@@ -15,11 +15,14 @@ setup(
     python_requires=">=3.10",
     package_dir={"": "python"},
     packages=find_packages("python"),
+    # C++ kernels built on first use for the CPU they run on (cpu_kernels.py)
+    package_data={"sglang_hf_backend": ["csrc/*.cpp"]},
     install_requires=[
         "sglang==0.5.23",
         "transformers==5.19.0",
         "torch==2.14.1",
         "torchao==0.18.0",
+        "ninja==1.13.2",
     ],
     extras_require={
         # What a CUDA machine adds on top of the CPU stack (requirements/cpu.txt).

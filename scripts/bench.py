@@ -11,7 +11,9 @@ Implementations:
   ours     sgl.Engine(model_impl="transformers") with sglang_hf_backend
   hf       plain transformers generate, one static batch (what a CPU user would run)
 An SGLang implementation may name an attention backend and/or ask for torch.compile:
-``ours+torch_native``, ``ours+compile`` (its compile time shows as ``warmup_s``).
+``ours+torch_native``, ``ours+compile`` (its compile time shows as ``warmup_s``), with
+``+cold`` on empty compile caches (a machine's first start); any implementation may name a
+dtype: ``hf+fp32``, ``ours+bf16``. Ratios are to native and, where HF runs, to HF's faster dtype.
 
 Usage:
   python scripts/bench.py --preset cpu [--models smollm2] [--rounds 3] [--out out/bench]
@@ -59,9 +61,9 @@ def main() -> None:
     for case in cases:
         path = str(checkpoint_path(case.name, cache))
         for round_index in range(args.rounds):
-            for impl in [spec for spec in impls if split_impl(spec)[0] in case.impls]:  # A B C D, A B C D
+            for impl in [spec for spec in impls if split_impl(spec).name in case.impls]:  # A B C D, A B C D
                 metrics = run_worker("engine", impl, path, case, seed=round_index)
-                serves = split_impl(impl)[0] in SGLANG_IMPLS
+                serves = split_impl(impl).name in SGLANG_IMPLS
                 if case.serving and not args.no_serving and serves and "error" not in metrics:
                     metrics.update(run_worker("serving", impl, path, case, seed=round_index))
                 results.append({"model": case.label, "impl": impl, "round": round_index, "metrics": metrics})

@@ -57,14 +57,25 @@ def hf_attention_forward(
 
 
 def attend(module: nn.Module, query, key, value, forward_batch) -> torch.Tensor:
-    """One RadixAttention call: KV cache write and paged attention."""
+    """One RadixAttention call: KV cache write and paged attention.
+
+    On our CPU backend the layer goes to the backend directly (``attend_layer``), with the
+    heads as views: RadixAttention's forward would only dispatch there, after checks that
+    cost more than a decode step's attention.
+    """
     attn = getattr(module, RADIX_ATTRIBUTE)
     q = _local_heads(query, attn.tp_q_head_num)
     k = _local_heads(key, attn.tp_k_head_num)
     v = _local_heads(value, attn.tp_v_head_num)
     tokens = q.shape[0]
+    from sglang.srt.model_executor.forward_context import get_attn_backend
+
+    direct = getattr(get_attn_backend(), "attend_layer", None)
     with attention_range():
-        out = attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1), forward_batch)
+        if direct is not None:
+            out = direct(q, k, v, attn)
+        else:
+            out = attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1), forward_batch)
     return out.view(1, tokens, attn.tp_q_head_num, attn.v_head_dim)
 
 

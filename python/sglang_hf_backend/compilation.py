@@ -10,10 +10,11 @@ program, and the Python of HF's module calls runs only while tracing. The step's
 (KV-cache indices, attention metadata) reaches the op outside the graph
 (``attention.running_step``). Shape classes: one token (batch-1 decode) and any other count,
 each compiled on its first step; inductor's on-disk cache (torch's default, in
-``TORCHINDUCTOR_CACHE_DIR``) lets a second start reuse the generated code. Unquantized weights
-are frozen into the graph (inductor's ``freezing``): its linears get oneDNN's prepacked weight
-layouts, which nearly halve a bf16 batch-1 GEMM on CPU, at the cost of a packed copy of those
-weights per shape class. On a GPU, SGLang's CUDA-graph path owns ``--enable-torch-compile``.
+``TORCHINDUCTOR_CACHE_DIR``) lets a second start reuse the generated code. Weights stay graph
+inputs rather than frozen constants: inductor's freezing would prepack them itself, but its
+prepacked tensors cannot be cached, so every start would compile from scratch; packed linears
+(``cpu_linear``) give the same kernels. On a GPU, SGLang's CUDA-graph path owns
+``--enable-torch-compile``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import time
 
 import torch
 from torch import nn
-from torch._inductor import config as inductor_config
 
 from sglang_hf_backend import diagnostics
 from sglang_hf_backend.attention import RADIX_ATTRIBUTE, running_step
@@ -49,43 +49,26 @@ def eager_reason(pp_size: int, lora: bool, multimodal: bool = False) -> str | No
 
 
 class CompiledStep:
-    """The backbone's forward, compiled once; called with the batch and the backbone's inputs.
+    """The backbone's forward, compiled once; called with the batch and the backbone's inputs."""
 
-    ``freeze``: inline the weights as constants (prepacked); only for plain tensors, since
-    quantized weights keep their own kernels.
-    """
-
-    def __init__(self, backbone: nn.Module, freeze: bool):
+    def __init__(self, backbone: nn.Module):
         from sglang.srt.runtime_context import get_flags
 
         self.backbone = backbone
-        self.freeze = freeze
         self.attention = {
             getattr(module, RADIX_ATTRIBUTE).layer_id: module
             for module in backbone.modules()
             if hasattr(module, RADIX_ATTRIBUTE)
         }
-        self.compiled = self.compile()
+        self.compiled = torch.compile(self.hidden_states, dynamic=True)
         self.compiled_shapes: set[str] = set()
         # SGLang's CPU graph runner would compile the whole forward again around ours.
         get_flags().capture.enable_torch_compile = False
         diagnostics.decision(
             "torch.compile: the backbone's forward is one graph (dynamic token count, %d attention "
-            "layers inside it as a custom op, weights %s); SGLang's CPU graph capture is left off",
+            "layers inside it as a custom op); SGLang's CPU graph capture is left off",
             len(self.attention),
-            "frozen and prepacked" if freeze else "read as inputs (quantized)",
         )
-
-    def compile(self):
-        return torch.compile(self.hidden_states, dynamic=True)
-
-    def weights_reloaded(self) -> None:
-        """Frozen graphs hold copies of the weights: after new weights load, compile afresh."""
-        if self.freeze and self.compiled_shapes:
-            torch._dynamo.reset()
-            self.compiled = self.compile()
-            self.compiled_shapes.clear()
-            diagnostics.decision("torch.compile: weights reloaded, the frozen step recompiles")
 
     def hidden_states(self, **inputs) -> torch.Tensor:
         return self.backbone(**inputs, use_cache=False, return_dict=True).last_hidden_state
@@ -93,9 +76,7 @@ class CompiledStep:
     def __call__(self, forward_batch, **inputs) -> torch.Tensor:
         shape = "one token" if inputs["position_ids"].shape[-1] == 1 else "many tokens"
         started = time.perf_counter()
-        # Inductor reads ``freezing`` from its global config when it compiles (``options`` of
-        # torch.compile do not reach it), so it is set around the call, for this graph only.
-        with running_step(self.attention, forward_batch), inductor_config.patch(freezing=self.freeze):
+        with running_step(self.attention, forward_batch):
             out = self.compiled(**inputs)
         if shape not in self.compiled_shapes:
             self.compiled_shapes.add(shape)

@@ -7,10 +7,12 @@ each layer then does one ``index_select`` of its K/V from the paged pool and one
 attention call over the whole batch, with grouped-query attention done without copying
 K/V per query head. Decode, prefill with radix-cache prefixes, chunked prefill and mixed
 batches all reduce to "new tokens at known positions attending to cached tokens".
-Attention itself is torch's CPU flash-attention kernel (SDPA), except where batched
-grouped matmuls (``grouped_attention``) are faster or needed: soft-capped layers, which SDPA
-cannot express, and half-precision decode on CPUs without AMX, where SDPA's kernel is
-several times slower (``matmul_decode_pays``).
+Decode reads the pool in place with our C++ kernel (``cpu_kernels``, ``csrc/paged_decode.cpp``):
+no gathered copy of K/V, every cached row read once for the query heads that share it. Prefill,
+and decode where the kernel is switched off or did not build, use torch's CPU flash-attention
+kernel (SDPA) over gathered K/V, except where batched grouped matmuls (``grouped_attention``)
+are faster or needed: soft-capped layers, which SDPA cannot express, and half-precision decode
+on CPUs without AMX, where SDPA's kernel is several times slower (``matmul_decode_pays``).
 Sliding windows and logit soft-capping are applied the way HF's eager attention does, and
 a multimodal model whose image tokens attend to each other both ways (Gemma3) hands each
 prefill's image spans to ``attend_within_spans``.
@@ -24,9 +26,10 @@ import torch
 import torch.nn.functional as F
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
-from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
+from sglang_hf_backend import cpu_kernels
 from sglang_hf_backend.diagnostics import decision
 
 _SUPPORTED_MODES = {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.IDLE}
@@ -88,11 +91,18 @@ class CpuSdpaAttnBackend(AttentionBackend):
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.forward_metadata: BatchLayout | None = None
+        self.write_loc: torch.Tensor | None = None  # this forward's KV-cache slots, one per token
+        self.plain_pool = is_plain_pool(self.token_to_kv_pool, model_runner.dtype)
+        self.decode_kernel = self.plain_pool and cpu_kernels.decode_kernel_wanted()
         self.matmul_decode = matmul_decode_pays(model_runner.dtype)
         decision(
             "%s decodes with %s (%s, torch CPU capability %s)",
             name,
-            "grouped matmuls" if self.matmul_decode else "torch's SDPA kernel",
+            "our paged decode kernel, reading the KV pool in place"
+            if self.decode_kernel
+            else "grouped matmuls over gathered K/V"
+            if self.matmul_decode
+            else "torch's SDPA kernel over gathered K/V",
             model_runner.dtype,
             torch.backends.cpu.get_cpu_capability(),
         )
@@ -125,6 +135,7 @@ class CpuSdpaAttnBackend(AttentionBackend):
                 "attention); use --attention-backend torch_native."
             )
         self.forward_metadata = self._layout(forward_batch)
+        self.write_loc = forward_batch.out_cache_loc
 
     def _layout(self, fb: ForwardBatch) -> BatchLayout:
         kv_len = fb.seq_lens.to(torch.long)
@@ -157,26 +168,61 @@ class CpuSdpaAttnBackend(AttentionBackend):
             self.forward_metadata.within_spans(spans)
 
     # -- attention ------------------------------------------------------------
+    def attend_layer(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer) -> torch.Tensor:
+        """One layer of this forward: ``[tokens, heads, dim]`` in, ``[tokens, heads * v_dim]`` out.
+
+        What our models call directly: RadixAttention's own forward only dispatches to this
+        backend on CPU, and its checks cost more than the attention at decode sizes.
+        """
+        self._save(layer, k, v)
+        return self._attend_cached(q, layer)
+
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
+        return self._attend(q, k, v, layer, save_kv_cache)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
+        return self._attend(q, k, v, layer, save_kv_cache)
 
-    def _attend(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool):
+    def _attend(self, q, k, v, layer, save_kv_cache: bool):
         if layer.is_cross_attention:
             raise ValueError(f"{self.backend_name} does not serve cross attention.")
         if save_kv_cache and k is not None:
-            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
+            self._save(layer, k, v)
+        return self._attend_cached(q.view(-1, layer.tp_q_head_num, layer.qk_head_dim), layer)
+
+    def _save(self, layer, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write this forward's K/V into the pool (directly where its layout is the plain one)."""
+        pool = self.token_to_kv_pool
+        if not self.plain_pool:
+            pool.set_kv_buffer(layer, KVWriteLoc(self.write_loc, None), k, v)
+            return
+        local = layer.layer_id - pool.start_layer
+        for buffer, new in ((pool.k_buffer[local], k), (pool.v_buffer[local], v)):
+            buffer.index_copy_(0, self.write_loc, new.reshape(-1, *buffer.shape[1:]).to(buffer.dtype))
+
+    def _attend_cached(self, query: torch.Tensor, layer) -> torch.Tensor:
+        """Attention of ``query`` ``[tokens, heads, dim]`` over every request's cached K/V."""
         layout = self.forward_metadata
         batch, width = layout.q_pos.shape
         heads, head_dim, v_dim = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
-        query = q.view(-1, heads, head_dim)
+        softcap = layer.logit_cap if layer.logit_cap and layer.logit_cap > 0 else None
+        if layout.q_rows is None and self.decode_kernel:
+            local = layer.layer_id - self.token_to_kv_pool.start_layer
+            out = torch.ops.sglang_hf_backend_kernels.paged_decode_attention(
+                query,
+                self.token_to_kv_pool.k_buffer[local],
+                self.token_to_kv_pool.v_buffer[local],
+                layout.kv_index,
+                layout.kv_len,
+                layer.scaling,
+                softcap or 0.0,
+                layer.sliding_window_size,
+            )
+            return out.view(batch, heads * v_dim)
         if layout.q_rows is not None:  # extend: scatter flat tokens into [B, E]
             padded = query.new_zeros(batch * width, heads, head_dim)
             query = padded.index_copy_(0, layout.q_rows, query)
         query = query.view(batch, width, heads, head_dim).transpose(1, 2)
-        softcap = layer.logit_cap if layer.logit_cap and layer.logit_cap > 0 else None
         by_matmul = softcap is not None or (self.matmul_decode and layout.q_rows is None)
         keys, values = self._gather(layer, layout, query.dtype, contiguous=by_matmul)
         causal = layer.attn_type != AttentionType.ENCODER_ONLY
@@ -213,6 +259,16 @@ class CpuSdpaAttnBackend(AttentionBackend):
 
     def support_triton(self):
         return False
+
+
+def is_plain_pool(pool, dtype: torch.dtype) -> bool:
+    """A pool whose K/V buffers are ``[slots, heads, dim]`` in the model's dtype, one per layer."""
+    return (
+        type(pool) is MHATokenToKVPool
+        and not pool.is_quantized_kv_cache
+        and pool.store_dtype == pool.dtype == dtype
+        and pool.kv_cache_layout == "nhd"
+    )
 
 
 def matmul_decode_pays(dtype: torch.dtype) -> bool:

@@ -7,7 +7,8 @@ time, the profiled ones the split). Each forward becomes one JSON line in
 
 - ``gemm_ms``: self time of matmul ops outside attention;
 - ``attention_ms``: every op inside the RadixAttention call (KV write, gather, SDPA);
-- ``other_ops_ms``: every other op (norms, RoPE, activations, copies, sampling-side logits);
+- ``other_ops_ms``: every other op (norms, RoPE, activations, copies, sampling-side logits),
+  a compiled step's generated kernels included;
 - ``python_ms``: forward wall time (unprofiled) minus all op time: Python and dispatch;
 - ``outside_ms``: time from the end of the previous forward to the start of this one
   (scheduler, sampling, detokenizer hand-off), for consecutive steps.
@@ -28,7 +29,17 @@ from sglang_hf_backend.diagnostics import tp_rank
 
 PROFILE_ENV = "SGLANG_HF_BACKEND_PROFILE"
 ATTENTION_RANGE = "sglang_hf_backend.attention"
-GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_weight_int8pack_mm"}
+GEMM_OPS = {
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::baddbmm",
+    "aten::_weight_int8pack_mm",
+    "mkldnn::_linear_pointwise",  # prepacked linears (cpu_linear.py)
+}
+# With TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1 a compiled step's generated kernels are
+# recorded under names like ``graph_0_cpp_fused_add_mul_0``; they count as other ops.
+INDUCTOR_KERNEL_PREFIX = "graph_"
 
 
 def attention_range():
@@ -85,7 +96,7 @@ def split_ops(events) -> dict[str, float]:
     ranges = [(e.time_range.start, e.time_range.end) for e in events if e.name == ATTENTION_RANGE]
     totals = {"gemm_ms": 0.0, "attention_ms": 0.0, "other_ops_ms": 0.0}
     for event in events:
-        if not event.name.startswith("aten::"):
+        if not (event.name.startswith(("aten::", INDUCTOR_KERNEL_PREFIX)) or event.name in GEMM_OPS):
             continue
         start = event.time_range.start
         if any(low <= start < high for low, high in ranges):

@@ -188,17 +188,41 @@ def build_random_checkpoint(
     return out_dir
 
 
-def split_impl(spec: str) -> tuple[str, dict]:
-    """``ours+torch_native+compile`` -> ("ours", {"attention_backend": "torch_native", ...})."""
-    impl, *options = spec.split("+")
-    if impl not in IMPLS or (options and impl == "hf"):
-        raise SystemExit(
-            f"unknown implementation {spec!r}; use {IMPLS}, optionally +<attention backend> and/or +compile"
-        )
-    overrides = {}
+DTYPE_OPTIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+    """One column of the benchmark: an implementation and its options."""
+
+    name: str  # native | builtin | ours | hf
+    engine_args: dict  # attention backend, torch.compile (SGLang implementations)
+    dtype: str | None = None  # instead of the case's dtype
+    cold_cache: bool = False  # fresh compile caches, as on a machine's first start
+
+    def dtype_for(self, case: ModelCase) -> str:
+        return self.dtype or case.dtype
+
+
+def split_impl(spec: str) -> Impl:
+    """``ours+torch_native+compile`` -> Impl("ours", {"attention_backend": "torch_native", ...}).
+
+    Options: ``compile`` (--enable-torch-compile), ``cold`` (empty inductor and C++ extension
+    caches), ``fp32`` / ``bf16`` / ``fp16`` (dtype), any other word an attention backend.
+    """
+    name, *options = spec.split("+")
+    if name not in IMPLS:
+        raise SystemExit(f"unknown implementation {spec!r}; use {IMPLS} with +options")
+    engine_args, dtype, cold = {}, None, False
     for option in options:
-        if option == "compile":
-            overrides["enable_torch_compile"] = True
+        if option in DTYPE_OPTIONS:
+            dtype = DTYPE_OPTIONS[option]
+        elif name == "hf":
+            raise SystemExit(f"{spec!r}: plain HF takes only a dtype option ({sorted(DTYPE_OPTIONS)})")
+        elif option == "compile":
+            engine_args["enable_torch_compile"] = True
+        elif option == "cold":
+            cold = True
         else:
-            overrides["attention_backend"] = option
-    return impl, overrides
+            engine_args["attention_backend"] = option
+    return Impl(name, engine_args, dtype, cold)

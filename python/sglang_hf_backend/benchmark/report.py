@@ -62,6 +62,7 @@ METRICS = [
     ("itl_ms_median", "ITL ms", False),
     ("startup_s", "start-up s", False),
     ("warmup_s", "warm-up (compile) s", False),
+    ("ready_s", "ready (start-up + warm-up) s", False),
     ("peak_rss_mb", "peak RSS MB", False),
 ]
 
@@ -73,12 +74,14 @@ def markdown(summary: dict, impls: list[str], measured_on: dict) -> str:
     lines = [f"Measured on: {on}", ""]
     for model, by_impl in summary.items():
         lines += [
-            f"**{model}** (median [min-max]; ratio to native; higher is better for tok/s)",
+            f"**{model}** (median [min-max]; ratio to native, then to HF's faster dtype; "
+            "higher is better for tok/s)",
             "",
             "| metric | " + " | ".join(impls) + " |",
             "|---|" + "---|" * len(impls),
         ]
         native = by_impl.get("native", {})
+        hf_runs = [i for i in impls if i.split("+")[0] == "hf"]
         for key, label, _ in METRICS:
             if not any(key in by_impl.get(i, {}) for i in impls):
                 continue
@@ -89,12 +92,26 @@ def markdown(summary: dict, impls: list[str], measured_on: dict) -> str:
                     cells.append("n/a")
                     continue
                 cell = f"{stat['median']:.1f} [{stat['min']:.1f}-{stat['max']:.1f}]"
+                ratios = []
                 if key in native and impl != "native":
-                    cell += f" ({stat['median'] / native[key]['median']:.2f}x)"
+                    ratios.append(f"{stat['median'] / native[key]['median']:.2f}x")
+                hf = best_median(by_impl, hf_runs, key)
+                if hf is not None and impl not in hf_runs:
+                    ratios.append(f"{stat['median'] / hf:.2f}x hf")
+                if ratios:
+                    cell += f" ({', '.join(ratios)})"
                 cells.append(cell)
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def best_median(by_impl: dict, impls: list[str], key: str) -> float | None:
+    """The best median of ``key`` among ``impls`` (highest for throughputs, else lowest)."""
+    medians = [by_impl[i][key]["median"] for i in impls if key in by_impl.get(i, {})]
+    if not medians:
+        return None
+    return max(medians) if key.endswith(("_tok_s", "_req_s")) else min(medians)
 
 
 def chart(summary: dict, impls: list[str], path: Path) -> None:

@@ -132,7 +132,9 @@ def profiled_engine(model_path: str, dtype: str, **engine_options):
     import sglang as sgl
 
     directory = Path(tempfile.mkdtemp(prefix="step-profile-"))
-    with mock.patch.dict("os.environ", {PROFILE_ENV: str(directory)}):
+    # a compiled step's kernels then show up in the profile by name (profiling.py)
+    env = {PROFILE_ENV: str(directory), "TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE": "1"}
+    with mock.patch.dict("os.environ", env):
         engine = sgl.Engine(
             model_path=model_path,
             impl="transformers",

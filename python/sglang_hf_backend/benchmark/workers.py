@@ -81,7 +81,7 @@ def measure_engine(spec: str, path: str, case: ModelCase, seed: int) -> dict:
     import sglang as sgl
     from transformers import AutoConfig
 
-    impl, overrides = split_impl(spec)
+    impl = split_impl(spec)
     vocab = AutoConfig.from_pretrained(path).get_text_config().vocab_size
     w = case.workload
     adapters = lora_adapter_paths(path, case.lora_adapters, cache_dir()) if case.lora_adapters else {}
@@ -90,11 +90,11 @@ def measure_engine(spec: str, path: str, case: ModelCase, seed: int) -> dict:
     started = time.perf_counter()
     engine = sgl.Engine(
         model_path=path,
-        model_impl="sglang" if impl == "native" else "transformers",
-        dtype=case.dtype,
+        model_impl="sglang" if impl.name == "native" else "transformers",
+        dtype=impl.dtype_for(case),
         skip_tokenizer_init=True,
         log_level="error",
-        **{**case.engine_args, **lora, **overrides},
+        **{**case.engine_args, **lora, **impl.engine_args},
     )
     result = {"startup_s": time.perf_counter() - started}
     try:
@@ -105,6 +105,7 @@ def measure_engine(spec: str, path: str, case: ModelCase, seed: int) -> dict:
                 input_ids=prompt_ids(batch, 16, vocab, seed + 99), sampling_params={"max_new_tokens": 4}
             )
         result["warmup_s"] = time.perf_counter() - started
+        result["ready_s"] = result["startup_s"] + result["warmup_s"]
 
         names = list(adapters)
 
@@ -167,16 +168,18 @@ def _engine_latency(engine, vocab: int, w: Workload, seed: int, adapter: str | N
     return statistics.median(samples)
 
 
-def measure_hf(path: str, case: ModelCase, seed: int) -> dict:
+def measure_hf(spec: str, path: str, case: ModelCase, seed: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
     w = case.workload
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, split_impl(spec).dtype_for(case))
     rss = PeakRss()
     started = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, case.dtype)).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     result = {"startup_s": time.perf_counter() - started}
+    result["ready_s"] = result["startup_s"]
     vocab = model.config.get_text_config().vocab_size
 
     def generate(ids, new_tokens):
@@ -219,7 +222,7 @@ def measure_serving(spec: str, path: str, case: ModelCase, seed: int) -> dict:
     from sglang.srt.utils.network import get_free_port
     from transformers import AutoConfig
 
-    impl, overrides = split_impl(spec)
+    impl = split_impl(spec)
     vocab = AutoConfig.from_pretrained(path).get_text_config().vocab_size
     w = case.workload
     port = get_free_port()
@@ -234,18 +237,18 @@ def measure_serving(spec: str, path: str, case: ModelCase, seed: int) -> dict:
         "--port",
         str(port),
         "--dtype",
-        case.dtype,
+        impl.dtype_for(case),
         "--skip-tokenizer-init",
         "--log-level",
         "error",
         "--model-impl",
-        "sglang" if impl == "native" else "transformers",
+        "sglang" if impl.name == "native" else "transformers",
     ]
-    for key, value in {**case.engine_args, **overrides}.items():
+    for key, value in {**case.engine_args, **impl.engine_args}.items():
         flag = f"--{key.replace('_', '-')}"
         args += [flag] if value is True else [flag, str(value)]
     log = tempfile.TemporaryFile()
-    server = subprocess.Popen(args, env=impl_env(spec), stdout=subprocess.DEVNULL, stderr=log)
+    server = subprocess.Popen(args, env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=log)
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_until_healthy(server, log, url, requests)
@@ -312,10 +315,16 @@ async def _serve_requests(url: str, ids: list[list[int]], w: Workload) -> dict:
     }
 
 
-def impl_env(spec: str) -> dict:
+def impl_env(spec: str, scratch: Path) -> dict:
+    """The worker's environment: the built-in backend without our plugin; cold caches in
+    ``scratch`` (a fresh directory) for ``+cold``."""
+    impl = split_impl(spec)
     env = dict(os.environ)
-    if split_impl(spec)[0] == "builtin":
+    if impl.name == "builtin":
         env["SGLANG_PLUGINS"] = CPU_PLATFORM_ONLY
+    if impl.cold_cache:
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(scratch / "inductor")
+        env["TORCH_EXTENSIONS_DIR"] = str(scratch / "extensions")
     return env
 
 
@@ -340,7 +349,8 @@ def run_worker(kind: str, impl: str, path: str, case: ModelCase, seed: int) -> d
         "--result",
         out_path,
     ]
-    done = subprocess.run(command, env=impl_env(impl), capture_output=True, text=True)
+    with tempfile.TemporaryDirectory(prefix="bench-caches-") as scratch:
+        done = subprocess.run(command, env=impl_env(impl, Path(scratch)), capture_output=True, text=True)
     if done.returncode != 0:
         return {"error": done.stderr.strip()[-2000:]}
     return json.loads(Path(out_path).read_text())
@@ -357,8 +367,8 @@ def main() -> None:
     case = ModelCase(**{**raw, "workload": Workload(**raw["workload"])})
     if args.kind == "serving":
         metrics = measure_serving(args.impl, args.path, case, args.seed)
-    elif split_impl(args.impl)[0] == "hf":
-        metrics = measure_hf(args.path, case, args.seed)
+    elif split_impl(args.impl).name == "hf":
+        metrics = measure_hf(args.impl, args.path, case, args.seed)
     else:
         metrics = measure_engine(args.impl, args.path, case, args.seed)
     Path(args.result).write_text(json.dumps(metrics))

@@ -24,7 +24,7 @@ from sglang.srt.utils import get_device
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from sglang_hf_backend import compat, compilation, diagnostics, profiling, quantization
+from sglang_hf_backend import compat, compilation, cpu_linear, diagnostics, profiling, quantization
 from sglang_hf_backend.attention import (
     attach_radix_attention,
     check_kv_cache_layout,
@@ -73,6 +73,10 @@ class TransformersBase(LoRALayers, nn.Module):
         with torch.device("meta") if self.torchao else contextlib.nullcontext():
             fused_routes = apply_fusions(backbone, self.model_trace, self.fusions, quant_config)
             replace_linears(backbone, self.tp_layout, self.tp_size, quant_config)
+        # Unquantized CPU linears (and the LM head, causal.py) multiply prepacked weights.
+        self.packs_weights = cpu_linear.wanted(get_device(), bool(self.torchao or quant_config))
+        if self.packs_weights:
+            diagnostics.decision("%d linears multiply oneDNN-prepacked weights", cpu_linear.pack_linears(backbone))
         self.weight_routes: dict[str, Routing] = {
             f"{self.backbone_path}.{name}": route.under(self.backbone_path)
             for name, route in fused_routes.items()
@@ -134,7 +138,7 @@ class TransformersBase(LoRALayers, nn.Module):
         if why_not is not None:
             diagnostics.decision("torch.compile: serving eagerly, since %s", why_not)
             return None
-        return compilation.CompiledStep(self.backbone, freeze=self.torchao is None and self.quant_config is None)
+        return compilation.CompiledStep(self.backbone)
 
     def log_decisions(self) -> None:
         diagnostics.decision("serving %s with %s", self.hf_class_name, type(self).__name__)
@@ -230,8 +234,6 @@ class TransformersBase(LoRALayers, nn.Module):
         )
         loaded = loader.load(weights)
         check_all_loaded(loaded, expected, tied)
-        if self.compiled_step is not None:
-            self.compiled_step.weights_reloaded()
         details = self.load_report_details()
         if quantizer is not None:
             details.update(quantizer.summary())
@@ -253,6 +255,7 @@ class TransformersBase(LoRALayers, nn.Module):
             "layers": diagnostics.describe_layers(self.backbone),
             "fusions": self.fusions.log_lines(self.hf_class_name),
             "compiled_step": self.compiled_step is not None,
+            "packed_weights": self.packs_weights,
         }
 
     def expected_checkpoint_keys(self) -> set[str]:

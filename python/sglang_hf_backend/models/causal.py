@@ -18,6 +18,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from torch import nn
 from transformers import PreTrainedModel
 
+from sglang_hf_backend import cpu_linear
 from sglang_hf_backend.compat import IncompatibleModelError
 from sglang_hf_backend.models.heads import run_head
 from sglang_hf_backend.weights import Route
@@ -33,7 +34,10 @@ class CausalMixin:
         self.head_name = output_embedding_name(hf_model)
         self.tie_word_embeddings = bool(getattr(self.text_config, "tie_word_embeddings", False))
         if self.pipeline.is_last:
-            setattr(self, self.head_name, self.build_head(hf_model))
+            head = self.build_head(hf_model)
+            if self.packs_weights:
+                cpu_linear.pack_head(head)
+            setattr(self, self.head_name, head)
         else:
             self.pipeline.held_elsewhere.append(self.head_name)
         scale = measure_head(hf_model, self.head_name)  # the soft-cap comes from the config

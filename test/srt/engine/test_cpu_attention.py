@@ -85,9 +85,13 @@ def test_unsupported_mode_is_refused_clearly():
     runner = SimpleNamespace(
         req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(1, 8, dtype=torch.int32)),
         token_to_kv_pool=SimpleNamespace(),
+        dtype=torch.float32,
     )
-    backend = CpuSdpaAttnBackend(runner, "cpu_sdpa")
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(tp_rank=0):  # the backend logs its choice on rank 0
+        backend = CpuSdpaAttnBackend(runner, "cpu_sdpa")
 
     # speculative decoding cannot run on this machine, so its batch is stood in for
     batch = SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, encoder_lens=None)

@@ -22,6 +22,25 @@ def test_ops_are_split_into_gemm_attention_and_other():
     assert "aten::mm" in names and "aten::_softmax" in names
 
 
+def test_packed_linears_are_gemms_and_generated_kernels_other_ops():
+    from torch._inductor import config as inductor_config
+
+    weight = torch.randn(64, 64).to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    with inductor_config.patch({"cpp.enable_kernel_profile": True}):
+        elementwise = torch.compile(lambda t: t * 2 + 1)
+        elementwise(x)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            elementwise(x)
+    names = {e.name for e in profile.events()}
+    assert "mkldnn::_linear_pointwise" in names
+    assert any(name.startswith(profiling.INDUCTOR_KERNEL_PREFIX) for name in names)
+    split = profiling.split_ops(profile.events())
+    assert split["gemm_ms"] > 0 and split["other_ops_ms"] > 0 and split["attention_ms"] == 0
+
+
 def test_attention_range_only_while_profiling():
     assert not profiling._PROFILER.profiling
     assert not isinstance(profiling.attention_range(), torch.profiler.record_function)

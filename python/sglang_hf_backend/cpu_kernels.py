@@ -1,0 +1,86 @@
+"""Our C++ CPU kernels (``csrc/``), built for this machine on first use and cached.
+
+torch's extension builder compiles them with ``-O3 -march=native`` into its cache
+(``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) under a name that includes
+a hash of this CPU's feature flags, so a cache shared between machines never hands one CPU code
+built for another; later starts load the cached library in well under a second.
+
+``paged_decode_attention`` (``csrc/paged_decode.cpp``): decode attention reading the paged KV
+pool in place. ``SGLANG_HF_BACKEND_DECODE_KERNEL=0`` keeps torch's SDPA over gathered K/V
+(for comparisons); where the build fails (no C++ compiler), the backend says so and does the same.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("sglang_hf_backend")
+
+DECODE_KERNEL_ENV = "SGLANG_HF_BACKEND_DECODE_KERNEL"
+SOURCES = [Path(__file__).parent / "csrc" / "paged_decode.cpp"]
+
+
+def decode_kernel_wanted() -> bool:
+    """Use the paged decode kernel? Unless switched off, if it builds here."""
+    setting = os.environ.get(DECODE_KERNEL_ENV, "1")
+    if setting not in ("0", "1"):
+        raise ValueError(f"{DECODE_KERNEL_ENV}={setting!r}: use 1 (the default) or 0")
+    return setting == "1" and load() is None
+
+
+@functools.cache
+def load() -> str | None:
+    """Build (first time on this machine) and load the kernels; None, or why they are missing."""
+    from torch.utils import cpp_extension
+
+    _put_ninja_on_path()
+    started = time.perf_counter()
+    try:
+        cpp_extension.load(
+            name=f"sglang_hf_backend_kernels_{machine_tag()}",
+            sources=[str(source) for source in SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", *vector_flags()],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+    except (RuntimeError, OSError, ImportError) as error:
+        why = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+        logger.warning("sglang_hf_backend: the C++ CPU kernels did not build (%s)", why)
+        return why
+    logger.debug("sglang_hf_backend: C++ CPU kernels ready in %.1f s", time.perf_counter() - started)
+    return None
+
+
+def vector_flags() -> list[str]:
+    """Build ATen's vector types for the unit torch itself dispatches to on this CPU."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return ["-DCPU_CAPABILITY=DEFAULT"]
+    return [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
+
+
+def machine_tag() -> str:
+    """Short hash of what the build depends on besides the sources: CPU features and torch."""
+    flags = ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        flags = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
+    capability = torch.backends.cpu.get_cpu_capability()
+    return hashlib.sha256(f"{flags}|{capability}|{torch.__version__}".encode()).hexdigest()[:12]
+
+
+def _put_ninja_on_path() -> None:
+    """torch's builder runs ``ninja`` from PATH; the pinned ``ninja`` wheel puts it next to Python."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")

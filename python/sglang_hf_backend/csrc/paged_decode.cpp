@@ -1,0 +1,198 @@
+// Decode attention straight from SGLang's paged KV pool, for CPUs.
+//
+// One query token per request attends to that request's cached tokens, which sit at arbitrary
+// slots of the pool ([slots, kv_heads, dim] per layer). torch's SDPA needs them gathered into a
+// padded [batch, kv_heads, length, dim] copy first; this kernel reads each cached row where it
+// lies, once for all query heads that share its KV head, with an online softmax in fp32.
+// Work is split over requests (or (request, KV head) pairs when requests are fewer than threads);
+// arithmetic uses ATen's vector types, built for the widest vector unit this CPU has.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kKeysPerBlock = 32;
+
+template <typename scalar_t>
+inline void to_float(const scalar_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+using Vec = at::vec::Vectorized<float>;
+
+// Scores of one key row against `group` query rows (each a fused multiply-add chain, then one
+// vector reduction).
+inline void dots(const float* queries, const float* key, int64_t group, int64_t dim, float* out,
+                 int64_t out_stride) {
+  const int64_t width = Vec::size();
+  for (int64_t g = 0; g < group; ++g) {
+    const float* q = queries + g * dim;
+    Vec even(0.f), odd(0.f);
+    int64_t i = 0;
+    for (; i + 2 * width <= dim; i += 2 * width) {
+      even = at::vec::fmadd(Vec::loadu(q + i), Vec::loadu(key + i), even);
+      odd = at::vec::fmadd(Vec::loadu(q + i + width), Vec::loadu(key + i + width), odd);
+    }
+    for (; i + width <= dim; i += width) even = at::vec::fmadd(Vec::loadu(q + i), Vec::loadu(key + i), even);
+    float total = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, even + odd);
+    for (; i < dim; ++i) total += q[i] * key[i];
+    out[g * out_stride] = total;
+  }
+}
+
+// exp(x[i] - shift) in place, and their sum.
+inline float exp_shifted(float* x, int64_t n, float shift) {
+  const int64_t width = Vec::size();
+  Vec sum(0.f);
+  for (int64_t i = 0; i < n; i += width) {
+    const int64_t count = std::min(width, n - i);
+    const Vec e = (Vec::loadu(x + i, count) - Vec(shift)).exp_u20();
+    e.store(x + i, count);
+    sum = sum + Vec::set(Vec(0.f), e, count);
+  }
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum);
+}
+
+// acc += sum_j weights[j] * values[j] (values: rows of n floats), a register's worth of acc at a time.
+inline void weighted_sum(float* acc, const float* values, const float* weights, int64_t rows, int64_t n) {
+  const int64_t width = Vec::size();
+  int64_t i = 0;
+  for (; i + width <= n; i += width) {
+    Vec sum = Vec::loadu(acc + i);
+    for (int64_t j = 0; j < rows; ++j) sum = at::vec::fmadd(Vec(weights[j]), Vec::loadu(values + j * n + i), sum);
+    sum.store(acc + i);
+  }
+  for (; i < n; ++i) {
+    for (int64_t j = 0; j < rows; ++j) acc[i] += weights[j] * values[j * n + i];
+  }
+}
+
+template <typename scalar_t>
+void decode(const at::Tensor& query, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
+            const at::Tensor& kv_index, const at::Tensor& kv_len, at::Tensor& out, double scale,
+            double softcap, int64_t window) {
+  const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t kv_heads = k_buffer.size(1), v_dim = v_buffer.size(2);
+  const int64_t group = heads / kv_heads;
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  const scalar_t* k = k_buffer.data_ptr<scalar_t>();
+  const scalar_t* v = v_buffer.data_ptr<scalar_t>();
+  const int64_t* index = kv_index.data_ptr<int64_t>();
+  const int64_t* lens = kv_len.data_ptr<int64_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int64_t q_sb = query.stride(0), q_sh = query.stride(1);
+  const int64_t k_sn = k_buffer.stride(0), k_sh = k_buffer.stride(1);
+  const int64_t v_sn = v_buffer.stride(0), v_sh = v_buffer.stride(1);
+  const int64_t index_sb = kv_index.stride(0);
+  const float cap = static_cast<float>(softcap);
+  const float q_scale = static_cast<float>(scale);
+  // With enough requests to go round, a work item is one request and reads each cached row
+  // whole (all its KV heads); with fewer, items are (request, KV head) pairs.
+  const int64_t splits = batch >= at::get_num_threads() ? 1 : kv_heads;
+  const int64_t item_kv_heads = kv_heads / splits, item_heads = item_kv_heads * group;
+
+  at::parallel_for(0, batch * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(item_heads * dim), acc(item_heads * v_dim);
+    std::vector<float> scores(item_heads * kKeysPerBlock), row_max(item_heads), row_sum(item_heads);
+    std::vector<float> kf(dim), values(kKeysPerBlock * v_dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / splits, first_kv_head = (item % splits) * item_kv_heads;
+      const int64_t length = lens[b];
+      const int64_t first = window >= 0 ? std::max<int64_t>(0, length - 1 - window) : 0;
+      for (int64_t h = 0; h < item_heads; ++h) {
+        to_float(q + b * q_sb + (first_kv_head * group + h) * q_sh, qf.data() + h * dim, dim);
+        if (cap <= 0.f) {
+          for (int64_t d = 0; d < dim; ++d) qf[h * dim + d] *= q_scale;
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
+      std::fill(row_sum.begin(), row_sum.end(), 0.f);
+      for (int64_t start = first; start < length; start += kKeysPerBlock) {
+        const int64_t keys = std::min(kKeysPerBlock, length - start);
+        const int64_t* slots = index + b * index_sb + start;
+        for (int64_t j = 0; j < keys; ++j) {
+          for (int64_t kh = 0; kh < item_kv_heads; ++kh) {
+            to_float(k + slots[j] * k_sn + (first_kv_head + kh) * k_sh, kf.data(), dim);
+            dots(qf.data() + kh * group * dim, kf.data(), group, dim,
+                 scores.data() + kh * group * kKeysPerBlock + j, kKeysPerBlock);
+          }
+        }
+        for (int64_t h = 0; h < item_heads; ++h) {
+          float* s = scores.data() + h * kKeysPerBlock;
+          if (cap > 0.f) {  // HF's order: scale, then soft-cap
+            for (int64_t j = 0; j < keys; ++j) s[j] = cap * std::tanh(s[j] * q_scale / cap);
+          }
+          const float new_max = std::max(row_max[h], *std::max_element(s, s + keys));
+          const float rescale = std::exp(row_max[h] - new_max);  // 0 on the first block
+          for (int64_t d = 0; d < v_dim; ++d) acc[h * v_dim + d] *= rescale;
+          row_sum[h] = row_sum[h] * rescale + exp_shifted(s, keys, new_max);
+          row_max[h] = new_max;
+        }
+        for (int64_t kh = 0; kh < item_kv_heads; ++kh) {
+          for (int64_t j = 0; j < keys; ++j) {
+            to_float(v + slots[j] * v_sn + (first_kv_head + kh) * v_sh, values.data() + j * v_dim, v_dim);
+          }
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t h = kh * group + g;
+            weighted_sum(acc.data() + h * v_dim, values.data(), scores.data() + h * kKeysPerBlock, keys, v_dim);
+          }
+        }
+      }
+      for (int64_t h = 0; h < item_heads; ++h) {
+        const float inverse = row_sum[h] > 0.f ? 1.f / row_sum[h] : 0.f;
+        scalar_t* dst = o + (b * heads + first_kv_head * group + h) * v_dim;
+        for (int64_t d = 0; d < v_dim; ++d) dst[d] = static_cast<scalar_t>(acc[h * v_dim + d] * inverse);
+      }
+    }
+  });
+}
+
+// query [batch, heads, dim] (dim contiguous), k/v_buffer [slots, kv_heads, dim] (rows
+// contiguous), kv_index [batch, >= max length] int64 slots, kv_len [batch] int64 cached tokens
+// (the new one included); window: keys back from the query (SGLang's convention), -1 for none;
+// softcap <= 0 for none. Returns [batch, heads, v_dim].
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_buffer,
+                                  const at::Tensor& v_buffer, const at::Tensor& kv_index,
+                                  const at::Tensor& kv_len, double scale, double softcap,
+                                  int64_t window) {
+  TORCH_CHECK(query.dim() == 3 && k_buffer.dim() == 3 && v_buffer.dim() == 3,
+              "paged_decode_attention: query and buffers must be 3-d");
+  TORCH_CHECK(query.stride(2) == 1 && k_buffer.stride(2) == 1 && v_buffer.stride(2) == 1,
+              "paged_decode_attention: the head dimension must be contiguous");
+  TORCH_CHECK(query.scalar_type() == k_buffer.scalar_type() &&
+                  k_buffer.scalar_type() == v_buffer.scalar_type(),
+              "paged_decode_attention: query and KV buffers must share a dtype");
+  TORCH_CHECK(kv_index.scalar_type() == at::kLong && kv_len.scalar_type() == at::kLong,
+              "paged_decode_attention: kv_index and kv_len must be int64");
+  TORCH_CHECK(query.size(1) % k_buffer.size(1) == 0,
+              "paged_decode_attention: query heads must be a multiple of KV heads");
+  TORCH_CHECK(query.size(2) == k_buffer.size(2), "paged_decode_attention: head_dim mismatch");
+  const auto index = kv_index.contiguous();
+  const auto lens = kv_len.contiguous();
+  auto out = at::empty({query.size(0), query.size(1), v_buffer.size(2)}, query.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
+    decode<scalar_t>(query, k_buffer, v_buffer, index, lens, out, scale, softcap, window);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(sglang_hf_backend_kernels, m) {
+  m.def(
+      "paged_decode_attention(Tensor query, Tensor k_buffer, Tensor v_buffer, Tensor kv_index, "
+      "Tensor kv_len, float scale, float softcap, int window) -> Tensor");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+}

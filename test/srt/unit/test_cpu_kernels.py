@@ -1,0 +1,78 @@
+"""The paged decode kernel against attention written out in torch, on scattered pool slots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_hf_backend import cpu_kernels
+
+
+@pytest.fixture(scope="module")
+def paged_decode():
+    assert cpu_kernels.load() is None, "the C++ kernels must build on the project's machines"
+    return torch.ops.sglang_hf_backend_kernels.paged_decode_attention
+
+
+def reference(query, k_buffer, v_buffer, kv_index, kv_len, scale, softcap, window):
+    """Softmax attention over each request's first kv_len slots, in fp32, GQA by repetition."""
+    group = query.shape[1] // k_buffer.shape[1]
+    keys = k_buffer[kv_index].transpose(1, 2).float().repeat_interleave(group, 1)
+    values = v_buffer[kv_index].transpose(1, 2).float().repeat_interleave(group, 1)
+    scores = torch.einsum("bhd,bhld->bhl", query.float(), keys) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    position = torch.arange(kv_index.shape[1])[None]
+    allowed = position < kv_len[:, None]
+    if window >= 0:
+        allowed &= position >= kv_len[:, None] - 1 - window
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    return torch.einsum("bhl,bhld->bhd", torch.softmax(scores, -1), values)
+
+
+CASES = {
+    # batch, heads, kv heads, head_dim, longest, soft-cap, window (SGLang's: keys back from the query)
+    "gqa": (6, 9, 3, 64, 150, 0.0, -1),
+    "mqa-softcap-window": (3, 4, 1, 32, 37, 50.0, 5),
+    "mha-wide-window": (2, 8, 8, 128, 70, 0.0, 10),
+    "one-request": (1, 6, 2, 48, 200, 0.0, -1),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_attention_written_out(paged_decode, case, dtype):
+    batch, heads, kv_heads, dim, longest, softcap, window = CASES[case]
+    generator = torch.Generator().manual_seed(0)
+    slots = 4096
+    k_buffer = torch.randn(slots, kv_heads, dim, generator=generator).to(dtype)
+    v_buffer = torch.randn(slots, kv_heads, dim, generator=generator).to(dtype)
+    kv_len = torch.randint(1, longest + 1, (batch,), generator=generator)
+    kv_len[0] = longest
+    kv_index = torch.randperm(slots - 1, generator=generator)[: batch * longest].view(batch, longest) + 1
+    # [tokens, heads, dim] as a view of [1, heads, tokens, dim], the way HF modules hand it over
+    query = torch.randn(1, heads, batch, dim, generator=generator).to(dtype)[0].transpose(0, 1)
+    scale = dim**-0.5
+    out = paged_decode(query, k_buffer, v_buffer, kv_index, kv_len, scale, softcap, window)
+    expected = reference(query, k_buffer, v_buffer, kv_index, kv_len, scale, softcap, window)
+    tolerance = 2e-6 if dtype == torch.float32 else 8e-3
+    assert out.dtype == dtype and out.shape == (batch, heads, dim)
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_bad_inputs_are_refused(paged_decode):
+    query = torch.randn(2, 4, 8)
+    buffer = torch.randn(16, 3, 8)
+    index, lens = torch.zeros(2, 4, dtype=torch.long), torch.ones(2, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        paged_decode(query, buffer, buffer, index, lens, 1.0, 0.0, -1)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        paged_decode(query, buffer.bfloat16(), buffer.bfloat16(), index, lens, 1.0, 0.0, -1)
+
+
+def test_switch_is_checked(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.DECODE_KERNEL_ENV, "0")
+    assert not cpu_kernels.decode_kernel_wanted()
+    monkeypatch.setenv(cpu_kernels.DECODE_KERNEL_ENV, "on")
+    with pytest.raises(ValueError, match="SGLANG_HF_BACKEND_DECODE_KERNEL='on'"):
+        cpu_kernels.decode_kernel_wanted()

@@ -1,0 +1,83 @@
+"""Prepacked CPU linears: the same numbers as torch's matmul, eagerly and inside a compiled graph."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod, UnquantizedLinearMethod
+
+from sglang_hf_backend import cpu_linear
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+def packed_layer(out_features: int = 96, in_features: int = 64, bias: bool = True, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    layer = SimpleNamespace(
+        weight=torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16),
+        bias=torch.randn(out_features, generator=generator).to(torch.bfloat16) if bias else None,
+    )
+    method = cpu_linear.PackedLinearMethod()
+    method.process_weights_after_loading(layer)
+    return layer, method
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (32, 64), (1, 7, 64), (300, 64)])  # 300: above the packed range
+def test_packed_product_equals_torch_matmul_bit_for_bit(shape):
+    layer, method = packed_layer()
+    x = torch.randn(*shape).to(torch.bfloat16)
+    assert torch.equal(method.apply(layer, x, layer.bias), F.linear(x, layer.weight, layer.bias))
+
+
+def test_reloaded_weights_keep_their_handle():
+    layer, method = packed_layer()
+    handle = layer.packed_handle
+    layer.weight = torch.randn_like(layer.weight, dtype=torch.float32).to(torch.bfloat16)
+    method.process_weights_after_loading(layer)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    assert layer.packed_handle == handle
+    assert torch.equal(method.apply(layer, x), F.linear(x, layer.weight))
+
+
+def test_compiled_graph_calls_the_packed_op():
+    layer, method = packed_layer(bias=False)
+
+    def block(x):
+        return torch.relu(method.apply(layer, x)) * 2
+
+    compiled = torch.compile(block, dynamic=True)
+    for tokens in (3, 5, 400):
+        x = torch.randn(tokens, 64).to(torch.bfloat16)
+        assert torch.equal(compiled(x), block(x))
+
+
+def test_only_unquantized_layers_and_heads_change_method():
+    plain = SimpleNamespace(quant_method=UnquantizedLinearMethod())
+    other = SimpleNamespace(quant_method=object())
+    module = torch.nn.Module()
+    module.plain, module.other = torch.nn.Module(), torch.nn.Module()
+    module.plain.quant_method, module.other.quant_method = plain.quant_method, other.quant_method
+    assert cpu_linear.pack_linears(module) == 1
+    assert isinstance(module.plain.quant_method, cpu_linear.PackedLinearMethod)
+    assert module.other.quant_method is other.quant_method
+    head = SimpleNamespace(quant_method=UnquantizedEmbeddingMethod())
+    cpu_linear.pack_head(head)
+    assert isinstance(head.quant_method, cpu_linear.PackedHeadMethod)
+    # SGLang's logits processor multiplies by the weight itself for the names it knows as
+    # unquantized; ours must not be among them, or the packed head would never be used.
+    from sglang.srt.layers.logits_processor import _UNQUANTIZED_LM_HEAD_METHODS
+
+    assert "PackedHeadMethod" not in _UNQUANTIZED_LM_HEAD_METHODS
+
+
+def test_fp32_stays_unpacked_and_the_setting_is_checked(monkeypatch):
+    assert not cpu_linear.packing_pays(torch.float32)
+    assert not cpu_linear.wanted("cpu", quantized=True)
+    monkeypatch.setenv(cpu_linear.PACKED_WEIGHTS_ENV, "0")
+    assert not cpu_linear.wanted("cpu", quantized=False)
+    monkeypatch.setenv(cpu_linear.PACKED_WEIGHTS_ENV, "yes")
+    with pytest.raises(ValueError, match="SGLANG_HF_BACKEND_PACKED_WEIGHTS='yes'"):
+        cpu_linear.wanted("cpu", quantized=False)
