@@ -76,6 +76,8 @@ class CompiledStep:
     def __call__(self, forward_batch, **inputs) -> torch.Tensor:
         shape = "one token" if inputs["position_ids"].shape[-1] == 1 else "many tokens"
         started = time.perf_counter()
+        if not self.compiled_shapes:
+            resolve_kernel_dispatch(self.backbone)
         with running_step(self.attention, forward_batch):
             out = self.compiled(**inputs)
         if shape not in self.compiled_shapes:
@@ -86,3 +88,14 @@ class CompiledStep:
                 time.perf_counter() - started,
             )
         return out
+
+
+def resolve_kernel_dispatch(module: nn.Module) -> None:
+    """Settle which kernel each SGLang fused op (RMSNorm, SiluAndMul, ...) runs before tracing.
+
+    They pick it on their first call and store it; traced before that, the graph guards on the
+    empty slot and the next call compiles the whole step again.
+    """
+    for sub in module.modules():
+        if getattr(sub, "_forward_method", False) is None and hasattr(sub, "_resolve_forward_method"):
+            sub._forward_method = sub._resolve_forward_method()
