@@ -40,6 +40,9 @@ GEMM_OPS = {
 # With TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1 a compiled step's generated kernels are
 # recorded under names like ``graph_0_cpp_fused_add_mul_0``; they count as other ops.
 INDUCTOR_KERNEL_PREFIX = "graph_"
+# torch's ops, our C++ kernels (cpu_kernels.py) and generated kernels; our Python custom ops
+# (``sglang_hf_backend::...``) only wrap these, so their own time is dispatch.
+OP_PREFIXES = ("aten::", "sglang_hf_backend_kernels::", INDUCTOR_KERNEL_PREFIX)
 
 
 def attention_range():
@@ -96,7 +99,7 @@ def split_ops(events) -> dict[str, float]:
     ranges = [(e.time_range.start, e.time_range.end) for e in events if e.name == ATTENTION_RANGE]
     totals = {"gemm_ms": 0.0, "attention_ms": 0.0, "other_ops_ms": 0.0}
     for event in events:
-        if not (event.name.startswith(("aten::", INDUCTOR_KERNEL_PREFIX)) or event.name in GEMM_OPS):
+        if not (event.name.startswith(OP_PREFIXES) or event.name in GEMM_OPS):
             continue
         start = event.time_range.start
         if any(low <= start < high for low, high in ranges):

@@ -137,7 +137,7 @@ def chart(summary: dict, impls: list[str], path: Path) -> None:
                 medians.append(stat["median"])
                 low.append(stat["median"] - stat["min"])
                 high.append(stat["max"] - stat["median"])
-        colors = [palette.get(n, "#937860") for n in names]
+        colors = [palette.get(n.split("+")[0], "#937860") for n in names]
         ax.bar(names, medians, yerr=[low, high], color=colors, capsize=4)
         ax.set_title(f"{model}\n{label}", fontsize=9)
         ax.tick_params(axis="x", labelsize=8, labelrotation=30)

@@ -41,6 +41,19 @@ def test_packed_linears_are_gemms_and_generated_kernels_other_ops():
     assert split["gemm_ms"] > 0 and split["other_ops_ms"] > 0 and split["attention_ms"] == 0
 
 
+def test_our_decode_kernel_counts_as_attention():
+    from sglang_hf_backend import cpu_kernels
+
+    assert cpu_kernels.load() is None
+    query, buffer = torch.randn(2, 4, 16), torch.randn(8, 2, 16)
+    index, lens = torch.arange(8).view(2, 4), torch.tensor([4, 3])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        with torch.profiler.record_function(profiling.ATTENTION_RANGE):
+            torch.ops.sglang_hf_backend_kernels.paged_decode_attention(query, buffer, buffer, index, lens, 0.25, 0.0, -1)
+    assert "sglang_hf_backend_kernels::paged_decode_attention" in {e.name for e in profile.events()}
+    assert profiling.split_ops(profile.events())["attention_ms"] > 0
+
+
 def test_attention_range_only_while_profiling():
     assert not profiling._PROFILER.profiling
     assert not isinstance(profiling.attention_range(), torch.profiler.record_function)
