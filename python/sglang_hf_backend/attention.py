@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from transformers import AttentionInterface
 
+from sglang_hf_backend import graph_ops
 from sglang_hf_backend.profiling import attention_range
 from sglang_hf_backend.surgery.trace import AttentionCall, active_tracer
 
@@ -99,20 +100,23 @@ def running_step(attention: dict[int, nn.Module], forward_batch) -> Iterator[Non
         _RUNNING[0] = None
 
 
-@torch.library.custom_op("sglang_hf_backend::attend", mutates_args=())
 def attend_in_graph(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_id: int
 ) -> torch.Tensor:
-    """``attend`` as one opaque node of a compiled step (it writes the KV cache, which no
-    other node of the graph reads)."""
     step = _RUNNING[0]
     return attend(step.attention[layer_id], query, key, value, step.forward_batch)
 
 
-@attend_in_graph.register_fake
 def _attend_shape(query, key, value, layer_id):
     attn = getattr(_RUNNING[0].attention[layer_id], RADIX_ATTRIBUTE)
     return query.new_empty(1, query.shape[2], attn.tp_q_head_num, attn.v_head_dim)
+
+
+# ``attend`` as one opaque node of a compiled step (it writes the KV cache, which no other
+# node of the graph reads).
+graph_ops.define(
+    "attend(Tensor query, Tensor key, Tensor value, int layer_id) -> Tensor", attend_in_graph, _attend_shape
+)
 
 
 def _local_heads(x: torch.Tensor, local: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod, UnquantizedLinearMethod
 from torch import nn
 
+from sglang_hf_backend import graph_ops
 from sglang_hf_backend.diagnostics import decision
 
 PACKED_WEIGHTS_ENV = "SGLANG_HF_BACKEND_PACKED_WEIGHTS"
@@ -43,17 +44,16 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, handle: int, bias: torch.Tens
     return torch.ops.mkldnn._linear_pointwise(x, _PACKED[handle], bias, "none", [], "")
 
 
-@torch.library.custom_op("sglang_hf_backend::packed_linear", mutates_args=())
-def packed_linear(
-    x: torch.Tensor, weight: torch.Tensor, handle: int, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """``_linear`` as one opaque node of a compiled graph (the token count is known only when it runs)."""
-    return _linear(x, weight, handle, bias)
-
-
-@packed_linear.register_fake
 def _packed_linear_shape(x, weight, handle, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+# ``_linear`` as one opaque node of a compiled graph (the token count is known only when it runs).
+graph_ops.define(
+    "packed_linear(Tensor x, Tensor weight, int handle, Tensor? bias) -> Tensor",
+    _linear,
+    _packed_linear_shape,
+)
 
 
 class PackedWeights:
@@ -103,9 +103,9 @@ def pack_head(head: nn.Module) -> None:
 
 @functools.cache
 def packing_pays(dtype: torch.dtype) -> bool:
-    """Pack where it is measured faster and bit-identical here (half types with oneDNN);
-    decided and logged once per process and dtype."""
-    if dtype not in (torch.bfloat16, torch.float16) or not torch.backends.mkldnn.is_available():
+    """Pack where it is measured faster and bit-identical here (half types oneDNN computes
+    natively: bf16 needs AVX512 or AMX); decided and logged once per process and dtype."""
+    if not onednn_supports(dtype):
         return False
     plain, packed, identical = _measure(dtype)
     pays = identical and all(p < 0.9 * q for p, q in zip(packed, plain))
@@ -121,6 +121,17 @@ def packing_pays(dtype: torch.dtype) -> bool:
     return pays
 
 
+def onednn_supports(dtype: torch.dtype) -> bool:
+    """Does oneDNN multiply ``dtype`` on this CPU (the packed ops refuse it otherwise)?"""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if dtype == torch.float16:
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return False
+
+
 def _measure(dtype: torch.dtype) -> tuple[tuple[float, float], tuple[float, float], bool]:
     """Median ms of a 2048 x 1024 product at 1 and 32 tokens, plain and packed, and whether they agree."""
     generator = torch.Generator().manual_seed(0)
@@ -134,17 +145,17 @@ def _measure(dtype: torch.dtype) -> tuple[tuple[float, float], tuple[float, floa
     for tokens in (1, 32):
         x = torch.randn(tokens, 1024, generator=generator).to(dtype)
         identical &= torch.equal(packed_product(x), F.linear(x, weight))
-        plain.append(_median_ms(lambda: F.linear(x, weight)))
-        packed.append(_median_ms(lambda: packed_product(x)))
+        plain.append(_median_ms(F.linear, x, weight))
+        packed.append(_median_ms(packed_product, x))
     return tuple(plain), tuple(packed), identical
 
 
-def _median_ms(run, repeats: int = 15) -> float:
-    run()
+def _median_ms(run, *args, repeats: int = 15) -> float:
+    run(*args)
     samples = []
     for _ in range(repeats):
         started = time.perf_counter()
-        run()
+        run(*args)
         samples.append(time.perf_counter() - started)
     return statistics.median(samples) * 1000
 

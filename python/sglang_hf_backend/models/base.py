@@ -76,7 +76,9 @@ class TransformersBase(LoRALayers, nn.Module):
         # Unquantized CPU linears (and the LM head, causal.py) multiply prepacked weights.
         self.packs_weights = cpu_linear.wanted(get_device(), bool(self.torchao or quant_config))
         if self.packs_weights:
-            diagnostics.decision("%d linears multiply oneDNN-prepacked weights", cpu_linear.pack_linears(backbone))
+            diagnostics.decision(
+                "%d linears multiply oneDNN-prepacked weights", cpu_linear.pack_linears(backbone)
+            )
         self.weight_routes: dict[str, Routing] = {
             f"{self.backbone_path}.{name}": route.under(self.backbone_path)
             for name, route in fused_routes.items()

@@ -22,7 +22,10 @@ def scored_run(extra_env: dict | None = None) -> tuple[list, list, dict]:
         (report,) = engine.load_reports()
     tokens = [o["output_ids"] for o in outs]
     scores = [
-        [entry[0] for entry in o["meta_info"]["input_token_logprobs"][1:] + o["meta_info"]["output_token_logprobs"]]
+        [
+            entry[0]
+            for entry in o["meta_info"]["input_token_logprobs"][1:] + o["meta_info"]["output_token_logprobs"]
+        ]
         for o in outs
     ]
     return tokens, scores, report

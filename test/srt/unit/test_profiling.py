@@ -25,9 +25,8 @@ def test_ops_are_split_into_gemm_attention_and_other():
 def test_packed_linears_are_gemms_and_generated_kernels_other_ops():
     from torch._inductor import config as inductor_config
 
-    weight = torch.randn(64, 64).to(torch.bfloat16)
+    weight, x = torch.randn(64, 64), torch.randn(4, 64)  # fp32: oneDNN packs it on every x86 CPU
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
-    x = torch.randn(4, 64).to(torch.bfloat16)
     with inductor_config.patch({"cpp.enable_kernel_profile": True}):
         elementwise = torch.compile(lambda t: t * 2 + 1)
         elementwise(x)
@@ -49,7 +48,9 @@ def test_our_decode_kernel_counts_as_attention():
     index, lens = torch.arange(8).view(2, 4), torch.tensor([4, 3])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         with torch.profiler.record_function(profiling.ATTENTION_RANGE):
-            torch.ops.sglang_hf_backend_kernels.paged_decode_attention(query, buffer, buffer, index, lens, 0.25, 0.0, -1)
+            torch.ops.sglang_hf_backend_kernels.paged_decode_attention(
+                query, buffer, buffer, index, lens, 0.25, 0.0, -1
+            )
     assert "sglang_hf_backend_kernels::paged_decode_attention" in {e.name for e in profile.events()}
     assert profiling.split_ops(profile.events())["attention_ms"] > 0
 
