@@ -36,6 +36,7 @@ CASES = {
     "mqa-softcap-window": (3, 4, 1, 32, 37, 50.0, 5),
     "mha-wide-window": (2, 8, 8, 128, 70, 0.0, 10),
     "one-request": (1, 6, 2, 48, 200, 0.0, -1),
+    "head-dim-off-vector": (3, 4, 2, 40, 45, 0.0, -1),  # scores reduced one by one, scalar tails
 }
 
 
