@@ -3,17 +3,20 @@
 SGLang's own CPU answer to ``--enable-torch-compile`` (its CPU graph runner) compiles the
 whole forward for every decode batch size and needs an attention backend that keeps
 CPU-graph state (``intel_amx`` with ``sgl-kernel``). Ours compiles the backbone's forward
-once, with dynamic token counts. The RadixAttention call is a custom op with a fake
+once, for any token count. The RadixAttention call is a custom op with a fake
 implementation (``attention.attend_in_graph``), so the graph does not break at attention:
 norms, RoPE, activations and the glue between the GEMMs of all layers are generated as one
 program, and the Python of HF's module calls runs only while tracing. The step's batch
 (KV-cache indices, attention metadata) reaches the op outside the graph
-(``attention.running_step``). Shape classes: one token (batch-1 decode) and any other count,
-each compiled on its first step; inductor's on-disk cache (torch's default, in
-``TORCHINDUCTOR_CACHE_DIR``) lets a second start reuse the generated code. Weights stay graph
-inputs rather than frozen constants: inductor's freezing would prepack them itself, but its
-prepacked tensors cannot be cached, so every start would compile from scratch; packed linears
-(``cpu_linear``) give the same kernels. On a GPU, SGLang's CUDA-graph path owns
+(``attention.running_step``). The token count is an unbacked size: torch would otherwise
+specialise a one-token step (batch-1 decode) and trace HF's Python a second time, which is
+most of a compile (SmolLM2 with a warm cache: 11.5 s for two graphs, 6.7 s for one); a check
+that it is at least one is all the graph needs. The graph and break counts after the first
+compile are logged and added to the load report. Inductor's on-disk cache (torch's default,
+in ``TORCHINDUCTOR_CACHE_DIR``) lets a second start reuse the generated code. Weights stay
+graph inputs rather than frozen constants: inductor's freezing would prepack them itself, but
+its prepacked tensors cannot be cached, so every start would compile from scratch; packed
+linears (``cpu_linear``) give the same kernels. On a GPU, SGLang's CUDA-graph path owns
 ``--enable-torch-compile``.
 """
 
@@ -26,6 +29,9 @@ from torch import nn
 
 from sglang_hf_backend import diagnostics
 from sglang_hf_backend.attention import RADIX_ATTRIBUTE, running_step
+
+# The backbone's inputs and their dimension that is the step's token count.
+TOKEN_DIMS = {"input_ids": -1, "position_ids": -1, "inputs_embeds": 1}
 
 
 def wanted(device: str) -> bool:
@@ -61,7 +67,7 @@ class CompiledStep:
             if hasattr(module, RADIX_ATTRIBUTE)
         }
         self.compiled = torch.compile(self.hidden_states, dynamic=True)
-        self.compiled_shapes: set[str] = set()
+        self.traced = False
         # SGLang's CPU graph runner would compile the whole forward again around ours.
         get_flags().capture.enable_torch_compile = False
         diagnostics.decision(
@@ -71,23 +77,44 @@ class CompiledStep:
         )
 
     def hidden_states(self, **inputs) -> torch.Tensor:
+        for name, dim in token_dims(inputs):
+            torch._check(inputs[name].shape[dim] >= 1)
         return self.backbone(**inputs, use_cache=False, return_dict=True).last_hidden_state
 
     def __call__(self, forward_batch, **inputs) -> torch.Tensor:
-        shape = "one token" if inputs["position_ids"].shape[-1] == 1 else "many tokens"
         started = time.perf_counter()
-        if not self.compiled_shapes:
+        if not self.traced:
             resolve_kernel_dispatch(self.backbone)
+        for name, dim in token_dims(inputs):
+            torch._dynamo.decorators.mark_unbacked(inputs[name], dim)
         with running_step(self.attention, forward_batch):
             out = self.compiled(**inputs)
-        if shape not in self.compiled_shapes:
-            self.compiled_shapes.add(shape)
-            diagnostics.decision(
-                "torch.compile: first step with %s took %.1f s (compiling)",
-                shape,
-                time.perf_counter() - started,
-            )
+        if not self.traced:
+            self.traced = True
+            self.report_first_compile(time.perf_counter() - started)
         return out
+
+    @staticmethod
+    def report_first_compile(seconds: float) -> None:
+        from torch._dynamo.utils import counters
+
+        graphs = counters["stats"]["unique_graphs"]
+        breaks = sum(counters["graph_break"].values())
+        diagnostics.decision(
+            "torch.compile: first step took %.1f s (compiling): %d graph(s), %d graph break(s)%s",
+            seconds,
+            graphs,
+            breaks,
+            "".join(f"; break: {reason}" for reason in list(counters["graph_break"])[:3]),
+        )
+        diagnostics.amend_load_report(compiled_graphs=graphs, graph_breaks=breaks)
+
+
+def token_dims(inputs: dict) -> list[tuple[str, int]]:
+    """(name, token dimension) of the backbone inputs given."""
+    return [
+        (name, dim % inputs[name].dim()) for name, dim in TOKEN_DIMS.items() if inputs.get(name) is not None
+    ]
 
 
 def resolve_kernel_dispatch(module: nn.Module) -> None:

@@ -87,6 +87,17 @@ def report_load(model: nn.Module, rss_before: int, extra: dict | None = None) ->
     return report
 
 
+def amend_load_report(**fields) -> None:
+    """Add what is known only after serving has started (say, how a step compiled) to this
+    rank's load report, where one is being written."""
+    directory = os.environ.get(LOAD_REPORT_ENV)
+    if not directory:
+        return
+    path = Path(directory, REPORT_NAME.format(**placement()))
+    if path.exists():
+        path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
 def describe_layers(model: nn.Module) -> dict[str, str]:
     """Each SGLang linear in ``model``: its SGLang class and how it splits across ranks."""
     from sglang.srt.layers.linear import LinearBase
