@@ -85,6 +85,7 @@ class CompiledStep:
         started = time.perf_counter()
         if not self.traced:
             resolve_kernel_dispatch(self.backbone)
+        # Every call, not only the first: a later recompile (a guard failing) traces these too.
         for name, dim in token_dims(inputs):
             torch._dynamo.decorators.mark_unbacked(inputs[name], dim)
         with running_step(self.attention, forward_batch):

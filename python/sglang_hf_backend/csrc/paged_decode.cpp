@@ -31,13 +31,13 @@ constexpr int64_t kKeysPerBlock = 32;
 
 using Vec = at::vec::Vectorized<float>;
 
-// Row of n elements to fp32, a vector at a time.
+// Row of n elements to fp32, a vector at a time for float, bf16 and fp16 (double: one by one).
 template <typename scalar_t>
 inline void to_float(const scalar_t* src, float* dst, int64_t n) {
   int64_t i = 0;
   if constexpr (std::is_same_v<scalar_t, float>) {
+    i = n;
     std::copy(src, src + n, dst);
-    return;
   } else if constexpr (at::is_reduced_floating_point_v<scalar_t>) {
     for (; i + Vec::size() <= n; i += Vec::size()) {
       Vec x;
@@ -120,10 +120,9 @@ inline void dots_any_dim(const float* queries, const float* keys, int64_t group,
                          float* scores, int64_t stride) {
   for (int64_t g = 0; g < group; ++g) {
     for (int64_t j = 0; j < count; ++j) {
-      const float* q = queries + g * dim;
-      const float* key = keys + j * dim;
       scores[g * stride + j] = at::vec::map2_reduce_all<float>(
-          [](Vec x, Vec y) { return x * y; }, [](Vec x, Vec y) { return x + y; }, q, key, dim);
+          [](Vec x, Vec y) { return x * y; }, [](Vec x, Vec y) { return x + y; }, queries + g * dim,
+          keys + j * dim, dim);
     }
   }
 }

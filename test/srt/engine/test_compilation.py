@@ -3,8 +3,9 @@
 A compiled engine must give HF's greedy tokens (fp32) batched and one prompt at a time
 (one graph serves both: batch-1 decode's single token and batches), and the load report
 must say the step was compiled: on one rank into one graph without breaks (with TP the
-graph breaks at SGLang's CPU all-reduce, which dynamo cannot trace). SGLang's CPU graph runner, which ``cpu_sdpa``
-cannot serve, is kept out of our engines and refused up front for native ones.
+graph breaks at SGLang's CPU all-reduce, which dynamo cannot trace). SGLang's CPU graph
+runner, which ``cpu_sdpa`` cannot serve, is kept out of our engines and refused up front
+for native ones.
 """
 
 from __future__ import annotations
