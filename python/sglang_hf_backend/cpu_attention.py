@@ -47,6 +47,7 @@ class BatchLayout:
     q_rows: torch.Tensor | None  # [T] row of each flat query in the padded [B*E] layout
     masks: dict[tuple[bool, int], torch.Tensor] = dataclasses.field(default_factory=dict)
     kv_span: torch.Tensor | None = None  # [B, L] which span (image) each key is in, -1 for none
+    prefix_free: bool = False  # a prefill whose requests have no cached tokens before their new ones
 
     def within_spans(self, spans: list[list[tuple[int, int]]]) -> None:
         """Let the tokens of each (first, last) position span attend to the whole span."""
@@ -72,6 +73,12 @@ class BatchLayout:
             allowed = allowed | (~self.q_valid[:, :, None] & (k == 0))
             self.masks[key] = allowed[:, None]
         return self.masks[key]
+
+    def plain_causal(self, causal: bool, window: int) -> bool:
+        """Is SDPA's own causal mask the same as ``mask`` here? In prefills without cached
+        prefixes, windows or spans, valid query i sees keys 0..i, all of its own request (padded
+        rows differ, and are dropped); the kernel then skips the blocks above the diagonal."""
+        return causal and window < 0 and self.prefix_free and self.kv_span is None
 
     def _same_span(self) -> torch.Tensor | bool:
         """[B, E, L]: query and key lie in one span."""
@@ -158,7 +165,15 @@ class CpuSdpaAttnBackend(AttentionBackend):
         offsets = torch.arange(width)
         q_valid = offsets[None, :] < new[:, None]
         q_rows = (torch.arange(len(new))[:, None] * width + offsets[None, :])[q_valid]
-        return BatchLayout(kv_index, kv_pos, kv_len, prefix[:, None] + offsets[None, :], q_valid, q_rows)
+        return BatchLayout(
+            kv_index,
+            kv_pos,
+            kv_len,
+            prefix[:, None] + offsets[None, :],
+            q_valid,
+            q_rows,
+            prefix_free=not bool(prefix.any()),
+        )
 
     def attend_within_spans(self, spans: list[list[tuple[int, int]]]) -> None:
         """This forward's requests let the tokens of each span (first, last position) attend to
@@ -226,15 +241,17 @@ class CpuSdpaAttnBackend(AttentionBackend):
         by_matmul = softcap is not None or (self.matmul_decode and layout.q_rows is None)
         keys, values = self._gather(layer, layout, query.dtype, contiguous=by_matmul)
         causal = layer.attn_type != AttentionType.ENCODER_ONLY
-        mask = layout.mask(causal, layer.sliding_window_size)
+        window = layer.sliding_window_size
         if by_matmul:
-            out = grouped_attention(query, keys, values, mask, layer.scaling, softcap)
+            out = grouped_attention(query, keys, values, layout.mask(causal, window), layer.scaling, softcap)
         else:
+            plain = layout.plain_causal(causal, window)
             out = F.scaled_dot_product_attention(
                 query,
                 keys,
                 values,
-                attn_mask=mask,
+                attn_mask=None if plain else layout.mask(causal, window),
+                is_causal=plain,
                 scale=layer.scaling,
                 enable_gqa=heads != keys.shape[1],
             )

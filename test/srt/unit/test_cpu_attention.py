@@ -1,4 +1,5 @@
-"""The CPU backend's masks: causal, sliding, and image spans that attend both ways."""
+"""The CPU backend's masks: causal, sliding, image spans that attend both ways, and where SDPA's own
+causal mask stands in for them."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ def prefill_layout(lengths: list[int]) -> BatchLayout:
         q_pos=q_pos,
         q_valid=q_valid,
         q_rows=None,
+        prefix_free=True,
     )
 
 
@@ -40,6 +42,27 @@ def test_a_sliding_window_still_bounds_how_far_back_a_span_token_sees():
     allowed = layout.mask(causal=True, window=1)[0, 0]
     assert allowed[2].tolist() == [False, True, True, True, True, True]  # back 1, forward to the span's end
     assert allowed[5].tolist() == [False, False, False, False, True, True]
+
+
+def test_fresh_prefills_use_sdpas_own_causal_mask_where_it_says_the_same():
+    layout = prefill_layout([7, 3, 5])
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 6, 7, 16, generator=generator)
+    keys, values = torch.randn(2, 3, 2, 7, 16, generator=generator)
+    assert layout.plain_causal(causal=True, window=-1)
+    masked = F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=layout.mask(True, -1), scale=0.25, enable_gqa=True
+    )
+    plain = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=0.25, enable_gqa=True)
+    valid = layout.q_valid
+    torch.testing.assert_close(plain.transpose(1, 2)[valid], masked.transpose(1, 2)[valid])
+    assert not layout.plain_causal(causal=True, window=2)
+    assert not layout.plain_causal(causal=False, window=-1)
+    layout.within_spans([[(1, 3)], [], []])
+    assert not layout.plain_causal(causal=True, window=-1)
+    cached_prefix = prefill_layout([4])
+    cached_prefix.prefix_free = False
+    assert not cached_prefix.plain_causal(causal=True, window=-1)
 
 
 def decode_inputs(dtype: torch.dtype, lengths: list[int], heads: int = 6, kv_heads: int = 2, dim: int = 16):
