@@ -13,6 +13,8 @@ and decode where the kernel is switched off or did not build, use torch's CPU fl
 kernel (SDPA) over gathered K/V, except where batched grouped matmuls (``grouped_attention``)
 are faster or needed: soft-capped layers, which SDPA cannot express, and half-precision decode
 on CPUs without AMX, where SDPA's kernel is several times slower (``matmul_decode_pays``).
+Prefills without cached prefixes give SDPA its own causal mask instead of ours, so it skips the
+blocks above the diagonal (SmolLM2, 32 x 128: 3.2 -> 2.85 ms a layer, the same outputs).
 Sliding windows and logit soft-capping are applied the way HF's eager attention does, and
 a multimodal model whose image tokens attend to each other both ways (Gemma3) hands each
 prefill's image spans to ``attend_within_spans``.

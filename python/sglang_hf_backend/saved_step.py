@@ -10,7 +10,8 @@ tree, each linear's method and packed-weight handle, and the sources of the back
 classes and of this package. The guards it keeps (parameter and input shapes, dtypes,
 constants, grad mode) are checked against the live backbone before a loaded step is used.
 A step that cannot be saved (the trace breaks, as at TP > 1, or a guard cannot be written)
-leaves a note with the reason, so later starts go straight to the ordinary compile.
+leaves a note with the reason, so later starts go straight to the ordinary compile. The files
+are trusted as inductor's own cache is (it imports generated code from the same directory).
 """
 
 from __future__ import annotations
