@@ -23,6 +23,9 @@ from sglang_hf_backend.surgery.trace import AttentionCall, active_tracer
 
 ATTENTION_NAME = "sglang_hf_backend"
 RADIX_ATTRIBUTE = "sglang_attn"
+# The layer's id as a tensor, for compiled steps: a graph input rather than a constant, so one
+# compiled decoder layer serves every layer (``compilation.compile_layers_once``).
+LAYER_TENSOR_ATTRIBUTE = "sglang_layer_id"
 
 # Settings an HF module may pass per call that change the result, and whether we honour them.
 _HONOURED = ("scaling", "sliding_window", "softcap", "is_causal")
@@ -52,8 +55,10 @@ def hf_attention_forward(
         tracer.record_attention(module, query, key, value, settings, output)
         return output, None
     if torch.compiler.is_compiling():
-        layer_id = getattr(module, RADIX_ATTRIBUTE).layer_id
-        return torch.ops.sglang_hf_backend.attend(query, key, value, layer_id), None
+        attn = getattr(module, RADIX_ATTRIBUTE)
+        layer = getattr(module, LAYER_TENSOR_ATTRIBUTE)
+        heads, v_dim = attn.tp_q_head_num, attn.v_head_dim
+        return torch.ops.sglang_hf_backend.attend(query, key, value, layer, heads, v_dim), None
     return attend(module, query, key, value, forward_batch), None
 
 
@@ -100,22 +105,30 @@ def running_step(attention: dict[int, nn.Module], forward_batch) -> Iterator[Non
         _RUNNING[0] = None
 
 
+def give_layer_tensors(attention: dict[int, nn.Module]) -> None:
+    """Attach each layer's id as a tensor, which compiled steps pass to the attention op."""
+    for layer_id, module in attention.items():
+        setattr(module, LAYER_TENSOR_ATTRIBUTE, torch.tensor(layer_id))
+
+
 def attend_in_graph(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_id: int
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: torch.Tensor, heads: int, v_dim: int
 ) -> torch.Tensor:
     step = _RUNNING[0]
-    return attend(step.attention[layer_id], query, key, value, step.forward_batch)
+    return attend(step.attention[int(layer)], query, key, value, step.forward_batch)
 
 
-def _attend_shape(query, key, value, layer_id):
-    attn = getattr(_RUNNING[0].attention[layer_id], RADIX_ATTRIBUTE)
-    return query.new_empty(1, query.shape[2], attn.tp_q_head_num, attn.v_head_dim)
+def _attend_shape(query, key, value, layer, heads, v_dim):
+    return query.new_empty(1, query.shape[2], heads, v_dim)
 
 
 # ``attend`` as one opaque node of a compiled step (it writes the KV cache, which no other
-# node of the graph reads).
+# node of the graph reads). The output's local heads and value size come as arguments, since
+# the fake implementation cannot read the layer tensor.
 graph_ops.define(
-    "attend(Tensor query, Tensor key, Tensor value, int layer_id) -> Tensor", attend_in_graph, _attend_shape
+    "attend(Tensor query, Tensor key, Tensor value, Tensor layer, int heads, int v_dim) -> Tensor",
+    attend_in_graph,
+    _attend_shape,
 )
 
 

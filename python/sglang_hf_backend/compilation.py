@@ -11,11 +11,13 @@ program, and the Python of HF's module calls runs only while tracing. The step's
 (``attention.running_step``). The token count is an unbacked size: torch would otherwise
 specialise a one-token step (batch-1 decode) and trace HF's Python a second time, which is
 most of a compile (SmolLM2 with a warm cache: 11.5 s for two graphs, 6.7 s for one); a check
-that it is at least one is all the graph needs. The graph and break counts after the first
-compile are logged and added to the load report. A step traced as one graph is saved
-(``saved_step``), so a second start loads it instead of tracing (SmolLM2: 6.8 s of warm-up
-down to 0.8 s); one that breaks (TP > 1) takes torch.compile's ordinary path, where
-inductor's on-disk cache still spares the code generation. Weights stay
+that it is at least one is all the graph needs. Each decoder-layer class is traced and
+generated once and called for every layer (``LayerRegions``; SmolLM2's first compile 39 -> 22 s),
+and inductor's probes of the CPU's vector units run on another thread meanwhile. The graph and
+break counts after the first compile are logged and added to the load report. A step traced as
+one graph is saved (``saved_step``), so a second start loads it instead of tracing (SmolLM2:
+6.8 s of warm-up down to 0.8 s); one that breaks (TP > 1) takes torch.compile's ordinary path,
+layer by layer, where inductor's on-disk cache still spares the code generation. Weights stay
 graph inputs rather than frozen constants: inductor's freezing would prepack them itself, but
 its prepacked tensors cannot be cached, so every start would compile from scratch; packed
 linears (``cpu_linear``) give the same kernels. On a GPU, SGLang's CUDA-graph path owns
@@ -24,18 +26,24 @@ linears (``cpu_linear``) give the same kernels. On a GPU, SGLang's CUDA-graph pa
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import threading
 import time
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from sglang_hf_backend import diagnostics
-from sglang_hf_backend.attention import RADIX_ATTRIBUTE, running_step
+from sglang_hf_backend.attention import RADIX_ATTRIBUTE, give_layer_tensors, running_step
 from sglang_hf_backend.saved_step import SavedStep, guard_failure
+from sglang_hf_backend.surgery.fusers.rewrite import bind_forward
 
 # The backbone's inputs and their dimension that is the step's token count.
 TOKEN_DIMS = {"input_ids": -1, "position_ids": -1, "inputs_embeds": 1}
 RESTARTS = 3  # whole-graph traces dynamo may ask to start over before one must succeed
+MAX_LAYER_VARIANTS = 1024  # compiled decoder layers of one class, at most one per layer
 
 
 def wanted(device: str) -> bool:
@@ -71,12 +79,17 @@ class CompiledStep:
             if hasattr(module, RADIX_ATTRIBUTE)
         }
         self.run = None
+        probe_vector_units_in_background()
+        give_layer_tensors(self.attention)
+        self.regions = LayerRegions(backbone, self.attention.values())
         # SGLang's CPU graph runner would compile the whole forward again around ours.
         get_flags().capture.enable_torch_compile = False
         diagnostics.decision(
             "torch.compile: the backbone's forward is one graph (dynamic token count, %d attention "
-            "layers inside it as a custom op); SGLang's CPU graph capture is left off",
+            "layers inside it as a custom op; %s compiled once for all of its layers); SGLang's CPU "
+            "graph capture is left off",
             len(self.attention),
+            self.regions,
         )
 
     def __call__(self, forward_batch, **inputs) -> torch.Tensor:
@@ -86,7 +99,7 @@ class CompiledStep:
                 return self.run(self.backbone, **inputs)
             started = time.perf_counter()
             resolve_kernel_dispatch(self.backbone)
-            self.run = first_step(self.backbone, inputs)
+            self.run = first_step(self.backbone, inputs, self.regions)
             out = self.run(self.backbone, **inputs)
         self.run.report(time.perf_counter() - started)
         return out
@@ -99,9 +112,15 @@ def backbone_hidden_states(backbone: nn.Module, **inputs) -> torch.Tensor:
     return backbone(**inputs, use_cache=False, return_dict=True).last_hidden_state
 
 
-def first_step(backbone: nn.Module, inputs: dict) -> WholeStep | RecompilingStep:
+def first_step(
+    backbone: nn.Module, inputs: dict, regions: LayerRegions | None = None
+) -> WholeStep | RecompilingStep:
     """The step saved by an earlier start, else one traced whole now (and saved), else (the
-    trace breaks, or its guards cannot be saved) torch.compile's ordinary, recompiling path."""
+    trace breaks, or its guards cannot be saved) torch.compile's ordinary, recompiling path.
+    The whole step compiles each decoder layer class once (``regions``); the recompiling path
+    traces layers one by one, since a graph break inside a region is an error."""
+    if regions is not None:
+        regions.mark()
     saved = SavedStep(backbone)
     step = saved.load(backbone_hidden_states, backbone, inputs)
     if step is not None:
@@ -116,6 +135,8 @@ def first_step(backbone: nn.Module, inputs: dict) -> WholeStep | RecompilingStep
         else:
             where = f"saved to {saved.path}" if saved.save(step) else "not saved"
             return WholeStep(step, "traced", f"traced whole, {where}")
+    if regions is not None:
+        regions.unmark()
     return RecompilingStep(f"traced, not saved ({why_not})")
 
 
@@ -130,7 +151,8 @@ def trace_whole(backbone: nn.Module, inputs: dict):
     )
     for _ in range(RESTARTS):
         try:
-            return whole.aot_compile(((backbone,), inputs))
+            with constant_floats():
+                return whole.aot_compile(((backbone,), inputs))
         except torch._dynamo.exc.RestartAnalysis:
             # Dynamo learned something (say, a float to specialise) and starts over, as its
             # ordinary compile does by itself; the ahead-of-time one leaves that to its caller.
@@ -174,7 +196,8 @@ class RecompilingStep:
     def __call__(self, backbone: nn.Module, **inputs) -> torch.Tensor:
         # Every call, not only the first: a recompile traces these too.
         mark_token_dims(inputs)
-        return self.compiled(backbone, **inputs)
+        with constant_floats():
+            return self.compiled(backbone, **inputs)
 
     def report(self, seconds: float) -> None:
         report_first_step("traced (recompiling)", self.how, seconds, *counted_graphs())
@@ -215,6 +238,13 @@ def without_views(inputs: dict) -> dict:
     }
 
 
+def constant_floats():
+    """Trace module floats (a norm's epsilon) as the constants they are: dynamo would otherwise
+    make each an input read with ``.item()``, which a compiled region shared by layers cannot
+    take from outside (torch fails to wire it to the next layer's call)."""
+    return torch._dynamo.config.patch(specialize_float=True)
+
+
 def mark_token_dims(inputs: dict) -> None:
     for name, dim in token_dims(inputs):
         torch._dynamo.decorators.mark_unbacked(inputs[name], dim)
@@ -225,6 +255,88 @@ def token_dims(inputs: dict) -> list[tuple[str, int]]:
     return [
         (name, dim % inputs[name].dim()) for name, dim in TOKEN_DIMS.items() if inputs.get(name) is not None
     ]
+
+
+class LayerRegions:
+    """The decoder layers as nested compile regions, one per layer class.
+
+    torch then traces and generates one layer's code and calls it for every layer, instead of
+    tracing and lowering 30 copies (SmolLM2's first compile: 39 -> 22 s). What differs between
+    layers must be an input of the region: weights are, and so are the layer tensors that
+    attention and packed linears take. Any other attribute a layer's code reads (a window size,
+    a flag) is guarded, and a layer that differs gets a region of its own, but only when the
+    region is the forward of the layer's class: torch does not guard attributes read by a
+    forward bound to an instance (as our fusers bind rewritten ones). So a marked layer becomes
+    an instance of a subclass whose ``forward`` is the region.
+    """
+
+    def __init__(self, backbone: nn.Module, attention: Iterable[nn.Module]):
+        attention = set(attention)
+        self.groups: dict[tuple[type, Callable], list[nn.Module]] = {}
+        for layer in decoder_layers(backbone):
+            forward = layer_forward(layer)
+            if forward is not None and attention.intersection(layer.modules()):
+                self.groups.setdefault((type(layer), forward), []).append(layer)
+
+    def mark(self) -> None:
+        for (cls, forward), layers in self.groups.items():
+            for layer in layers:
+                layer.__dict__.pop("forward", None)
+                layer.__class__ = region_class(cls, forward)
+
+    def unmark(self) -> None:
+        """Back to the layers' own classes and forwards."""
+        for (cls, forward), layers in self.groups.items():
+            for layer in layers:
+                layer.__class__ = cls
+                if forward is not cls.forward:
+                    bind_forward(layer, forward)
+
+    def __str__(self) -> str:
+        named = [f"{cls.__name__} (x{len(layers)})" for (cls, _), layers in self.groups.items()]
+        return ", ".join(named) or "no decoder layer class"
+
+
+def layer_forward(layer: nn.Module) -> Callable | None:
+    """The function a layer runs as its forward: its class's, or one a fuser bound to it."""
+    bound = layer.__dict__.get("forward")
+    if bound is None:
+        return type(layer).forward
+    return bound.__func__ if getattr(bound, "__self__", None) is layer else None
+
+
+@functools.cache
+def region_class(cls: type, forward: Callable) -> type:
+    """A subclass of ``cls`` whose forward is ``forward`` as a nested compile region.
+
+    Saved steps pickle the layers' class with their guards, so it is a global of this module,
+    its name that of ``cls`` and a digest of where it and the forward come from; printed
+    modules keep the name of ``cls``.
+    """
+    code = forward.__code__
+    origin = f"{cls.__module__}.{cls.__qualname__} {code.co_filename} {code.co_code.hex()} {code.co_names}"
+    name = f"{cls.__name__}_{hashlib.sha256(origin.encode()).hexdigest()[:8]}"
+    region = torch.compiler.nested_compile_region(forward, max_reuse_entries=MAX_LAYER_VARIANTS)
+    namespace = {"forward": region, "_get_name": lambda self: cls.__name__, "__module__": __name__}
+    subclass = type(name, (cls,), namespace)
+    globals()[name] = subclass
+    return subclass
+
+
+def decoder_layers(backbone: nn.Module) -> Iterator[nn.Module]:
+    """The entries of the backbone's module lists."""
+    for module in backbone.modules():
+        if isinstance(module, nn.ModuleList):
+            yield from module
+
+
+def probe_vector_units_in_background() -> None:
+    """Inductor compiles ten tiny programs to learn which vector units this CPU has (8 s of a
+    first compile on 2 cores; cached on disk after). Run them now, on another thread, so they
+    are done while dynamo traces rather than after."""
+    from torch._inductor import cpu_vec_isa
+
+    threading.Thread(target=cpu_vec_isa.valid_vec_isa_list, name="inductor ISA probes", daemon=True).start()
 
 
 def resolve_kernel_dispatch(module: nn.Module) -> None:

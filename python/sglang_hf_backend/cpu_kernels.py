@@ -3,7 +3,10 @@
 torch's extension builder compiles them with ``-O3 -march=native`` into its cache
 (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) under a name that includes
 a hash of this CPU's feature flags, so a cache shared between machines never hands one CPU code
-built for another; later starts load the cached library in well under a second.
+built for another; later starts load the cached library in well under a second. The launcher
+process starts the build in the background (``build_in_background``) while SGLang spawns its
+schedulers and they import (SmolLM2's first start: the 9 s build no longer delays serving);
+a scheduler that needs the kernels earlier waits on the build's lock and loads what it built.
 
 ``paged_decode_attention`` (``csrc/paged_decode.cpp``): decode attention reading the paged KV
 pool in place. ``SGLANG_HF_BACKEND_DECODE_KERNEL=0`` keeps torch's SDPA over gathered K/V
@@ -16,6 +19,7 @@ import functools
 import hashlib
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -29,15 +33,33 @@ SOURCES = [Path(__file__).parent / "csrc" / "paged_decode.cpp"]
 
 def decode_kernel_wanted() -> bool:
     """Use the paged decode kernel? Unless switched off, if it builds here."""
+    return decode_kernel_setting() and load() is None
+
+
+def decode_kernel_setting() -> bool:
     setting = os.environ.get(DECODE_KERNEL_ENV, "1")
     if setting not in ("0", "1"):
         raise ValueError(f"{DECODE_KERNEL_ENV}={setting!r}: use 1 (the default) or 0")
-    return setting == "1" and load() is None
+    return setting == "1"
+
+
+def build_in_background() -> None:
+    """Build (or load) the kernels in a daemon thread of the launcher, unless switched off."""
+    if decode_kernel_setting():
+        threading.Thread(target=load, name="sglang_hf_backend C++ kernels", daemon=True).start()
+
+
+def load() -> str | None:
+    """Build (first time on this machine) and load the kernels; None, or why they are missing."""
+    with _LOADING:
+        return _load()
+
+
+_LOADING = threading.Lock()
 
 
 @functools.cache
-def load() -> str | None:
-    """Build (first time on this machine) and load the kernels; None, or why they are missing."""
+def _load() -> str | None:
     from torch.utils import cpp_extension
 
     _put_ninja_on_path()

@@ -12,7 +12,9 @@ oneDNN rounds differently, stays as it is.
 
 The layers keep their plain weight (weight reloads, LoRA and load reports read it) and hold a
 handle into ``_PACKED``: an mkldnn tensor cannot be an input of a compiled graph, whose cache
-key pickles its inputs, so a compiled step passes the handle to the ``packed_linear`` op.
+key pickles its inputs, so a compiled step passes the handle to the ``packed_linear`` op. The
+handle is a tensor, an input of the graph rather than a constant in it, so one compiled decoder
+layer serves every layer (``compilation.compile_layers_once``).
 """
 
 from __future__ import annotations
@@ -38,10 +40,12 @@ _TOKENS_HINT = 32  # the batch size oneDNN packs for
 _PACKED_MAX_TOKENS = 256
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, handle: int, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     if x.numel() > _PACKED_MAX_TOKENS * x.shape[-1]:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, _PACKED[handle], bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, _PACKED[int(handle)], bias, "none", [], "")
 
 
 def _packed_linear_shape(x, weight, handle, bias):
@@ -50,7 +54,7 @@ def _packed_linear_shape(x, weight, handle, bias):
 
 # ``_linear`` as one opaque node of a compiled graph (the token count is known only when it runs).
 graph_ops.define(
-    "packed_linear(Tensor x, Tensor weight, int handle, Tensor? bias) -> Tensor",
+    "packed_linear(Tensor x, Tensor weight, Tensor handle, Tensor? bias) -> Tensor",
     _linear,
     _packed_linear_shape,
 )
@@ -62,10 +66,10 @@ class PackedWeights:
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.data, _TOKENS_HINT)
         if getattr(layer, "packed_handle", None) is None:
-            layer.packed_handle = len(_PACKED)
+            layer.packed_handle = torch.tensor(len(_PACKED))
             _PACKED.append(packed)
         else:  # reloaded weights: same handle, so compiled graphs stay valid
-            _PACKED[layer.packed_handle] = packed
+            _PACKED[int(layer.packed_handle)] = packed
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():

@@ -7,6 +7,8 @@ our classes are put into it only when some process imports the registry anyway.
 
 from __future__ import annotations
 
+import multiprocessing
+
 
 def register() -> None:
     """Entry point of ``sglang.srt.plugins``."""
@@ -25,6 +27,10 @@ def register() -> None:
         # The CLI parser is built from the backend choices before SGLang resolves the
         # platform (which registers cpu_sdpa itself), so register it here as well.
         platform.register_cpu_attention_backend()
+        if multiprocessing.parent_process() is None:  # the launcher, not a scheduler it spawned
+            from sglang_hf_backend import cpu_kernels
+
+            cpu_kernels.build_in_background()
     when_imported("sglang.srt.models.registry", _register_model_classes)
 
 

@@ -6,9 +6,9 @@ step traced as one graph is saved with ``torch.compile``'s ahead-of-time API
 (``aot_compile`` / ``load_compiled_function``) next to inductor's cache, and loaded instead
 (0.8 s). The file name hashes what the trace read that the saved guards do not check: package
 versions, this CPU and dtype, the rank, inductor's settings, the backbone's config and module
-tree, each linear's method and packed-weight handle, and the sources of the backbone's module
-classes and of this package. The guards it keeps (parameter and input shapes, dtypes,
-constants, grad mode) are checked against the live backbone before a loaded step is used.
+tree, each linear's method, and the sources of the backbone's module classes (and their bases)
+and of this package. The guards it keeps (parameter and input shapes, dtypes, constants, grad
+mode) are checked against the live backbone before a loaded step is used.
 A step that cannot be saved (the trace breaks, as at TP > 1, or a guard cannot be written)
 leaves a note with the reason, so later starts go straight to the ordinary compile. The files
 are trusted as inductor's own cache is (it imports generated code from the same directory).
@@ -115,8 +115,11 @@ def step_identity(backbone: nn.Module) -> Iterator[str]:
     for name, module in backbone.named_modules():
         method = getattr(module, "quant_method", None)
         if method is not None:
-            yield f"{name} {type(method).__qualname__} {getattr(module, 'packed_handle', None)}"
-    sources = {inspect.getsourcefile(type(module)) for module in backbone.modules()}
+            yield f"{name} {type(method).__qualname__}"
+    classes = {
+        cls for module in backbone.modules() for cls in type(module).__mro__ if issubclass(cls, nn.Module)
+    }
+    sources = {inspect.getsourcefile(cls) for cls in classes}
     sources |= {str(path) for path in Path(__file__).parent.rglob("*.py")}
     for source in sorted(filter(None, sources)):
         yield Path(source).read_text()

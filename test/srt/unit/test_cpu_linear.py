@@ -47,7 +47,7 @@ def test_reloaded_weights_keep_their_handle():
     layer.weight = torch.randn_like(layer.weight, dtype=torch.float32).to(DTYPE)
     method.process_weights_after_loading(layer)
     x = torch.randn(2, 64).to(DTYPE)
-    assert layer.packed_handle == handle
+    assert layer.packed_handle is handle
     assert_same_product(method.apply(layer, x), F.linear(x, layer.weight))
 
 

@@ -2,66 +2,45 @@
 
 A tiny HF Llama backbone (no engine) goes through ``compilation.first_step`` with an empty
 inductor cache: the first call traces one graph and saves it, the second loads it; both give
-eager's hidden states for any token count. Inputs the saved guards reject (embeddings instead
-of token ids) are traced by a fallback step rather than failing; a backbone whose trace breaks
-leaves a note, so the next start does not try again; another backbone gets another file.
+eager's hidden states for any token count, with the decoder layers compiled once as a shared
+region. Inputs the saved guards reject (embeddings instead of token ids) are traced by a
+fallback step rather than failing; a backbone whose trace breaks (inside its layers) leaves a
+note, so the next start does not try again, and is traced layer by layer; another backbone
+gets another file.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from transformers import AttentionInterface, LlamaConfig, LlamaModel
+from transformers import LlamaModel
 
 from sglang_hf_backend import compilation
 from sglang_hf_backend.saved_step import SavedStep
+from sglang_hf_backend.testing.tiny_backbones import eager, tiny_llama, token_inputs
 
 
-def causal_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Causal attention without HF's SDPA path, whose ``q_length > 1`` branch cannot be
-    traced for any token count (served models route attention to RadixAttention instead)."""
-    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None
+class BreakingMLP(torch.nn.Module):
+    """An MLP whose forward dynamo cannot trace as one graph (as SGLang's all-reduce at TP > 1)."""
 
-
-AttentionInterface.register("test_causal_sdpa", causal_sdpa)
-
-
-def tiny_llama(layers: int = 2) -> LlamaModel:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_implementation="test_causal_sdpa",
-    )
-    return LlamaModel(config).eval()
-
-
-def token_inputs(tokens: int) -> dict:
-    """As ``CompiledStep`` hands them on (``without_views``)."""
-    ids = torch.randint(0, 128, (tokens,), generator=torch.Generator().manual_seed(tokens))
-    return compilation.without_views({"input_ids": ids[None], "position_ids": torch.arange(tokens)[None]})
-
-
-def eager(backbone, **inputs) -> torch.Tensor:
-    return backbone(**inputs, use_cache=False).last_hidden_state
-
-
-class BreakingBackbone(torch.nn.Module):
-    """A backbone whose forward dynamo cannot trace as one graph."""
-
-    def __init__(self, inner: LlamaModel):
+    def __init__(self, inner: torch.nn.Module):
         super().__init__()
         self.inner = inner
 
-    def forward(self, **inputs):
+    def forward(self, x):
         torch._dynamo.graph_break()
-        return self.inner(**inputs)
+        return self.inner(x)
+
+
+def breaking_llama() -> LlamaModel:
+    backbone = tiny_llama()
+    for layer in backbone.layers:
+        layer.mlp = BreakingMLP(layer.mlp)
+    return backbone
+
+
+def layer_regions(backbone: LlamaModel) -> compilation.LayerRegions:
+    return compilation.LayerRegions(backbone, [layer.self_attn for layer in backbone.layers])
 
 
 @pytest.fixture
@@ -79,10 +58,11 @@ def empty_inductor_cache(tmp_path, monkeypatch):
 @torch.no_grad()
 def test_step_is_traced_saved_loaded_and_refits_other_inputs(empty_inductor_cache):
     backbone = tiny_llama()
-    first = compilation.first_step(backbone, token_inputs(7))
+    regions = layer_regions(backbone)
+    first = compilation.first_step(backbone, token_inputs(7), regions)
     assert first.source == "traced"
     assert SavedStep(backbone).path.exists()
-    second = compilation.first_step(backbone, token_inputs(7))
+    second = compilation.first_step(backbone, token_inputs(7), regions)
     assert second.source == "loaded"
     for tokens in (7, 1, 12):
         inputs = token_inputs(tokens)
@@ -106,12 +86,15 @@ def test_another_backbone_gets_another_file(empty_inductor_cache):
 
 @torch.no_grad()
 def test_a_breaking_trace_is_noted_and_not_retried(empty_inductor_cache, monkeypatch):
-    backbone = BreakingBackbone(tiny_llama())
+    """The break is inside the layers, which the recompiling path must trace one by one."""
+    backbone = breaking_llama()
+    layer_class = type(backbone.layers[0])
     inputs = token_inputs(6)
-    first = compilation.first_step(backbone, inputs)
+    first = compilation.first_step(backbone, inputs, layer_regions(backbone))
     assert isinstance(first, compilation.RecompilingStep)
+    assert type(backbone.layers[0]) is layer_class
     assert "graph_break" in SavedStep(backbone).why_unsaveable()
-    torch.testing.assert_close(first(backbone, **inputs), eager(backbone.inner, **inputs))
+    torch.testing.assert_close(first(backbone, **inputs), eager(backbone, **inputs))
 
     def refuse(*args):
         raise AssertionError("traced whole again despite the note")
