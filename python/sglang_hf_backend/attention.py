@@ -24,7 +24,7 @@ from sglang_hf_backend.surgery.trace import AttentionCall, active_tracer
 ATTENTION_NAME = "sglang_hf_backend"
 RADIX_ATTRIBUTE = "sglang_attn"
 # The layer's id as a tensor, for compiled steps: a graph input rather than a constant, so one
-# compiled decoder layer serves every layer (``compilation.compile_layers_once``).
+# compiled decoder layer serves every layer (``compilation.LayerRegions``).
 LAYER_TENSOR_ATTRIBUTE = "sglang_layer_id"
 
 # Settings an HF module may pass per call that change the result, and whether we honour them.

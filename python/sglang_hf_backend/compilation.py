@@ -26,6 +26,7 @@ linears (``cpu_linear``) give the same kernels. On a GPU, SGLang's CUDA-graph pa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import threading
@@ -179,7 +180,7 @@ class WholeStep:
                 "torch.compile: a step's inputs do not fit the whole graph (%s); tracing a graph for them",
                 guard_failure(self.step, backbone, inputs),
             )
-            self.others = RecompilingStep("traced for other inputs")
+            self.others = RecompilingStep("traced for other inputs", shared_layers=True)
         return self.others(backbone, **inputs)
 
     def report(self, seconds: float) -> None:
@@ -189,14 +190,17 @@ class WholeStep:
 class RecompilingStep:
     """torch.compile's ordinary path: graph breaks allowed, inputs its guards reject traced anew."""
 
-    def __init__(self, how: str):
+    def __init__(self, how: str, shared_layers: bool = False):
         self.compiled = torch.compile(backbone_hidden_states, dynamic=True)
         self.how = how
+        # Only layers marked as regions need constant floats, and patching dynamo's config
+        # costs ~50 us a call, so steps that trace unmarked layers do without.
+        self.tracing_config = constant_floats if shared_layers else contextlib.nullcontext
 
     def __call__(self, backbone: nn.Module, **inputs) -> torch.Tensor:
         # Every call, not only the first: a recompile traces these too.
         mark_token_dims(inputs)
-        with constant_floats():
+        with self.tracing_config():
             return self.compiled(backbone, **inputs)
 
     def report(self, seconds: float) -> None:

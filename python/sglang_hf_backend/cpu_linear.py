@@ -14,7 +14,7 @@ The layers keep their plain weight (weight reloads, LoRA and load reports read i
 handle into ``_PACKED``: an mkldnn tensor cannot be an input of a compiled graph, whose cache
 key pickles its inputs, so a compiled step passes the handle to the ``packed_linear`` op. The
 handle is a tensor, an input of the graph rather than a constant in it, so one compiled decoder
-layer serves every layer (``compilation.compile_layers_once``).
+layer serves every layer (``compilation.LayerRegions``).
 """
 
 from __future__ import annotations
