@@ -37,6 +37,7 @@ CASES = {
     "mha-wide-window": (2, 8, 8, 128, 70, 0.0, 10),
     "one-request": (1, 6, 2, 48, 200, 0.0, -1),
     "head-dim-off-vector": (3, 4, 2, 40, 45, 0.0, -1),  # scores reduced one by one, scalar tails
+    "wide-head": (2, 4, 2, 256, 33, 0.0, -1),  # bf16 pairs: eight registers a row, an odd last pair
 }
 
 
