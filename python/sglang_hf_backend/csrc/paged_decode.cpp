@@ -141,6 +141,41 @@ inline float exp_shifted(float* x, int64_t n, float shift) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum);
 }
 
+// Each head's running score maximum and normaliser over the blocks seen so far (online softmax).
+struct OnlineSoftmax {
+  std::vector<float> row_max, row_sum;
+
+  explicit OnlineSoftmax(int64_t heads) : row_max(heads), row_sum(heads) {}
+
+  void reset() {
+    std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
+    std::fill(row_sum.begin(), row_sum.end(), 0.f);
+  }
+
+  // Head h's block scores s[0, keys) become exp(s - running max) in place; returns the factor by
+  // which the head's earlier value sums must be scaled (0 on the first block).
+  float absorb(int64_t h, float* s, int64_t keys) {
+    const float new_max = std::max(row_max[h], *std::max_element(s, s + keys));
+    const float rescale = std::exp(row_max[h] - new_max);
+    row_sum[h] = row_sum[h] * rescale + exp_shifted(s, keys, new_max);
+    row_max[h] = new_max;
+    return rescale;
+  }
+
+  float inverse(int64_t h) const { return row_sum[h] > 0.f ? 1.f / row_sum[h] : 0.f; }
+};
+
+// The first cached key a request's query sees: all of them, or the last `window` + 1.
+inline int64_t first_key(int64_t length, int64_t window) {
+  return window >= 0 ? std::max<int64_t>(0, length - 1 - window) : 0;
+}
+
+// With enough requests to go round, a work item is one request and reads each cached row whole
+// (all its KV heads); with fewer, items are (request, KV head) pairs. Returns items per request.
+inline int64_t items_per_request(int64_t batch, int64_t kv_heads) {
+  return batch >= at::get_num_threads() ? 1 : kv_heads;
+}
+
 // acc += sum_j weights[j] * values[j] (values: rows of n floats), four registers' worth of acc at
 // a time so that four fused multiply-add chains run side by side.
 inline void weighted_sum(float* acc, const float* values, const float* weights, int64_t rows, int64_t n) {
@@ -249,20 +284,20 @@ void decode_bf16_pairs(const at::Tensor& query, const at::Tensor& k_buffer, cons
   const int64_t v_sn = v_buffer.stride(0), v_sh = v_buffer.stride(1);
   const int64_t index_sb = kv_index.stride(0);
   const float cap = static_cast<float>(softcap), q_scale = static_cast<float>(scale);
-  const int64_t splits = batch >= at::get_num_threads() ? 1 : kv_heads;
+  const int64_t splits = items_per_request(batch, kv_heads);
   const int64_t item_kv_heads = kv_heads / splits, item_heads = item_kv_heads * group;
 
   at::parallel_for(0, batch * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(item_heads * dim), scores(kKeysPerBlock), row_max(item_heads), row_sum(item_heads);
+    std::vector<float> acc(item_heads * dim), scores(kKeysPerBlock);
+    OnlineSoftmax softmax(item_heads);
     std::vector<uint32_t> p_pairs(half_block);
     Bf16Row k_rows[kKeysPerBlock], v_rows[kKeysPerBlock];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / splits, first_kv_head = (item % splits) * item_kv_heads;
       const int64_t length = lens[b];
-      const int64_t first = window >= 0 ? std::max<int64_t>(0, length - 1 - window) : 0;
+      const int64_t first = first_key(length, window);
       std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(row_sum.begin(), row_sum.end(), 0.f);
+      softmax.reset();
       for (int64_t start = first; start < length; start += kKeysPerBlock) {
         const int64_t keys = std::min(kKeysPerBlock, length - start);
         const int64_t* slots = index + b * index_sb + start;
@@ -281,11 +316,8 @@ void decode_bf16_pairs(const at::Tensor& query, const at::Tensor& k_buffer, cons
             s[j] *= q_scale;
             if (cap > 0.f) s[j] = cap * std::tanh(s[j] / cap);  // HF's order: scale, then soft-cap
           }
-          const float new_max = std::max(row_max[h], *std::max_element(s, s + keys));
-          const float rescale = std::exp(row_max[h] - new_max);  // 0 on the first block
+          const float rescale = softmax.absorb(h, s, keys);
           for (int64_t d = 0; d < dim; ++d) acc[h * dim + d] *= rescale;
-          row_sum[h] = row_sum[h] * rescale + exp_shifted(s, keys, new_max);
-          row_max[h] = new_max;
           std::fill(s + keys, s + kKeysPerBlock, 0.f);
           const __m512bh p = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + 16), _mm512_loadu_ps(s));
           _mm512_storeu_si512(p_pairs.data(), (__m512i)p);
@@ -293,7 +325,7 @@ void decode_bf16_pairs(const at::Tensor& query, const at::Tensor& k_buffer, cons
         }
       }
       for (int64_t h = 0; h < item_heads; ++h) {
-        const float inverse = row_sum[h] > 0.f ? 1.f / row_sum[h] : 0.f;
+        const float inverse = softmax.inverse(h);
         store_unpacked<N>(acc.data() + h * dim, inverse, o + (b * heads + first_kv_head * group + h) * dim);
       }
     }
@@ -340,20 +372,19 @@ void decode(const at::Tensor& query, const at::Tensor& k_buffer, const at::Tenso
   const int64_t index_sb = kv_index.stride(0);
   const float cap = static_cast<float>(softcap);
   const float q_scale = static_cast<float>(scale);
-  // With enough requests to go round, a work item is one request and reads each cached row
-  // whole (all its KV heads); with fewer, items are (request, KV head) pairs.
   const auto score = dim % Vec::size() == 0 ? dots : dots_any_dim;
-  const int64_t splits = batch >= at::get_num_threads() ? 1 : kv_heads;
+  const int64_t splits = items_per_request(batch, kv_heads);
   const int64_t item_kv_heads = kv_heads / splits, item_heads = item_kv_heads * group;
 
   at::parallel_for(0, batch * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(item_heads * dim), acc(item_heads * v_dim);
-    std::vector<float> scores(item_heads * kKeysPerBlock), row_max(item_heads), row_sum(item_heads);
+    std::vector<float> scores(item_heads * kKeysPerBlock);
+    OnlineSoftmax softmax(item_heads);
     std::vector<float> kf(kKeysPerBlock * dim), values(kKeysPerBlock * v_dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / splits, first_kv_head = (item % splits) * item_kv_heads;
       const int64_t length = lens[b];
-      const int64_t first = window >= 0 ? std::max<int64_t>(0, length - 1 - window) : 0;
+      const int64_t first = first_key(length, window);
       for (int64_t h = 0; h < item_heads; ++h) {
         to_float(q + b * q_sb + (first_kv_head * group + h) * q_sh, qf.data() + h * dim, dim);
         if (cap <= 0.f) {
@@ -361,8 +392,7 @@ void decode(const at::Tensor& query, const at::Tensor& k_buffer, const at::Tenso
         }
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(row_sum.begin(), row_sum.end(), 0.f);
+      softmax.reset();
       for (int64_t start = first; start < length; start += kKeysPerBlock) {
         const int64_t keys = std::min(kKeysPerBlock, length - start);
         const int64_t* slots = index + b * index_sb + start;
@@ -378,11 +408,8 @@ void decode(const at::Tensor& query, const at::Tensor& k_buffer, const at::Tenso
           if (cap > 0.f) {  // HF's order: scale, then soft-cap
             for (int64_t j = 0; j < keys; ++j) s[j] = cap * std::tanh(s[j] * q_scale / cap);
           }
-          const float new_max = std::max(row_max[h], *std::max_element(s, s + keys));
-          const float rescale = std::exp(row_max[h] - new_max);  // 0 on the first block
+          const float rescale = softmax.absorb(h, s, keys);
           for (int64_t d = 0; d < v_dim; ++d) acc[h * v_dim + d] *= rescale;
-          row_sum[h] = row_sum[h] * rescale + exp_shifted(s, keys, new_max);
-          row_max[h] = new_max;
         }
         for (int64_t kh = 0; kh < item_kv_heads; ++kh) {
           for (int64_t j = 0; j < keys; ++j) {
@@ -395,7 +422,7 @@ void decode(const at::Tensor& query, const at::Tensor& k_buffer, const at::Tenso
         }
       }
       for (int64_t h = 0; h < item_heads; ++h) {
-        const float inverse = row_sum[h] > 0.f ? 1.f / row_sum[h] : 0.f;
+        const float inverse = softmax.inverse(h);
         scalar_t* dst = o + (b * heads + first_kv_head * group + h) * v_dim;
         for (int64_t d = 0; d < v_dim; ++d) dst[d] = static_cast<scalar_t>(acc[h * v_dim + d] * inverse);
       }
