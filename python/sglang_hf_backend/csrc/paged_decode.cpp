@@ -219,7 +219,7 @@ using Bf16Row = const uint16_t*;
 // s[j] = q . key j for one query head over a block's keys (rows[j] + offset), Vec::size() at a time.
 template <int N>
 inline void pair_scores(const __m512bh* q, const Bf16Row* rows, int64_t offset, int64_t keys, float* s) {
-  constexpr int64_t lanes = 16;
+  constexpr int64_t lanes = Vec::size();  // 16: the build is AVX512's
   for (int64_t first = 0; first < keys; first += lanes) {
     Vec partials[lanes];
     const int64_t count = std::min(lanes, keys - first);
@@ -338,11 +338,16 @@ bool decode_bf16_pairs_if_served(const at::Tensor& query, const at::Tensor& k_bu
                                  double scale, double softcap, int64_t window) {
   const int64_t dim = query.size(2);
   if (query.scalar_type() != at::kBFloat16 || v_buffer.size(2) != dim) return false;
+  const auto run = [&](auto registers_per_row) {
+    decode_bf16_pairs<decltype(registers_per_row)::value>(query, k_buffer, v_buffer, kv_index, kv_len, out, scale,
+                                                          softcap, window);
+    return true;
+  };
   switch (dim) {
-    case 32: decode_bf16_pairs<1>(query, k_buffer, v_buffer, kv_index, kv_len, out, scale, softcap, window); return true;
-    case 64: decode_bf16_pairs<2>(query, k_buffer, v_buffer, kv_index, kv_len, out, scale, softcap, window); return true;
-    case 128: decode_bf16_pairs<4>(query, k_buffer, v_buffer, kv_index, kv_len, out, scale, softcap, window); return true;
-    case 256: decode_bf16_pairs<8>(query, k_buffer, v_buffer, kv_index, kv_len, out, scale, softcap, window); return true;
+    case 32: return run(std::integral_constant<int, 1>{});
+    case 64: return run(std::integral_constant<int, 2>{});
+    case 128: return run(std::integral_constant<int, 4>{});
+    case 256: return run(std::integral_constant<int, 8>{});
     default: return false;
   }
 }
