@@ -7,7 +7,7 @@ Packing once after loading (``mkldnn._reorder_linear_weight``) and multiplying w
 about twice the speed at 1-32 tokens (Xeon with AMX, bf16, SmolLM2's shapes: gate/up at one
 token 0.121 -> 0.057 ms, the 49152 x 576 head 2.22 -> 1.15 ms); prefills of more tokens keep the
 plain product, which is as fast there. Half types that oneDNN computes natively are packed
-where the packed product is bit-identical (``packing_pays``, checked once per process and
+where the packed product is bit-identical (``should_pack``, checked once per process and
 dtype); fp32, where torch's own GEMM is as fast and oneDNN rounds differently, stays as it is.
 
 The layers keep their plain weight (weight reloads, LoRA and load reports read it) and hold a
@@ -106,7 +106,7 @@ def pack_head(head: nn.Module) -> None:
 
 
 @functools.cache
-def packing_pays(dtype: torch.dtype) -> bool:
+def should_pack(dtype: torch.dtype) -> bool:
     """Pack half types oneDNN computes natively here (bf16 needs AVX512 or AMX) where the packed
     product is bit-identical to torch's; decided and logged once per process and dtype.
 
@@ -168,11 +168,13 @@ def _median_ms(run, *args, repeats: int = 15) -> float:
 
 
 def wanted(device: str, quantized: bool) -> bool:
-    """Does this model pack its linears? On CPU, unquantized, where ``packing_pays``, unless
+    """Does this model pack its linears? On CPU, unquantized, where ``should_pack``, unless
     ``SGLANG_HF_BACKEND_PACKED_WEIGHTS=0`` asks for torch's plain matmul (for comparisons)."""
     setting = os.environ.get(PACKED_WEIGHTS_ENV, "1")
     if setting not in ("0", "1"):
-        raise ValueError(f"{PACKED_WEIGHTS_ENV}={setting!r}: use 1 (pack where it pays, the default) or 0")
+        raise ValueError(
+            f"{PACKED_WEIGHTS_ENV}={setting!r}: use 1 (pack where oneDNN computes the dtype, the default) or 0"
+        )
     if device != "cpu" or quantized or setting == "0":
         return False
-    return packing_pays(torch.get_default_dtype())
+    return should_pack(torch.get_default_dtype())

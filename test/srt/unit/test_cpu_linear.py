@@ -83,13 +83,13 @@ def test_only_unquantized_layers_and_heads_change_method():
 
 
 def test_fp32_stays_unpacked_and_the_setting_is_checked(monkeypatch):
-    assert not cpu_linear.packing_pays(torch.float32)
+    assert not cpu_linear.should_pack(torch.float32)
     # bf16 is packed exactly where oneDNN computes it (AVX512/AMX), whatever the timings: a
     # threshold on them flipped when a start measured while the C++ kernels were building.
     from sglang.srt.runtime_context import get_parallel
 
     with get_parallel().override(tp_rank=0):  # the decision is logged as rank 0's; no engine here
-        assert cpu_linear.packing_pays(torch.bfloat16) == (DTYPE == torch.bfloat16)
+        assert cpu_linear.should_pack(torch.bfloat16) == (DTYPE == torch.bfloat16)
     assert not cpu_linear.wanted("cpu", quantized=True)
     monkeypatch.setenv(cpu_linear.PACKED_WEIGHTS_ENV, "0")
     assert not cpu_linear.wanted("cpu", quantized=False)
