@@ -84,8 +84,8 @@ def test_only_unquantized_layers_and_heads_change_method():
 
 def test_fp32_stays_unpacked_and_the_setting_is_checked(monkeypatch):
     assert not cpu_linear.should_pack(torch.float32)
-    # bf16 is packed exactly where oneDNN computes it (AVX512/AMX), whatever the timings: a
-    # threshold on them flipped when a start measured while the C++ kernels were building.
+    # bf16 is packed exactly where oneDNN computes it (AVX512/AMX): no timing decides it (a
+    # threshold on timings flipped when a start measured while the C++ kernels were building).
     from sglang.srt.runtime_context import get_parallel
 
     with get_parallel().override(tp_rank=0):  # the decision is logged as rank 0's; no engine here
