@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 from typing import Any
 
 MODEL_IMPLS = ("auto", "sglang", "transformers", "mindspore")
@@ -20,6 +21,14 @@ MODEL_IMPLS = ("auto", "sglang", "transformers", "mindspore")
 
 class ArgumentConflictError(ValueError):
     """Two spellings of one setting were given with different values."""
+
+
+def switched_on(env: str, what_1_does: str) -> bool:
+    """An environment switch of ours: 1 (the default) or 0; any other value is refused."""
+    setting = os.environ.get(env, "1")
+    if setting not in ("0", "1"):
+        raise ValueError(f"{env}={setting!r}: use 1 ({what_1_does}, the default) or 0")
+    return setting == "1"
 
 
 def resolve_model_impl(impl: str | None, model_impl: str | None) -> str:

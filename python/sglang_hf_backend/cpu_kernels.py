@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from sglang_hf_backend.args import switched_on
+
 logger = logging.getLogger("sglang_hf_backend")
 
 DECODE_KERNEL_ENV = "SGLANG_HF_BACKEND_DECODE_KERNEL"
@@ -37,10 +39,7 @@ def decode_kernel_wanted() -> bool:
 
 
 def decode_kernel_setting() -> bool:
-    setting = os.environ.get(DECODE_KERNEL_ENV, "1")
-    if setting not in ("0", "1"):
-        raise ValueError(f"{DECODE_KERNEL_ENV}={setting!r}: use 1 (the default) or 0")
-    return setting == "1"
+    return switched_on(DECODE_KERNEL_ENV, "decode with the kernel where it builds")
 
 
 def build_in_background() -> None:

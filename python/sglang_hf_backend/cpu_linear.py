@@ -20,7 +20,6 @@ layer serves every layer (``compilation.LayerRegions``).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +27,7 @@ from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod, U
 from torch import nn
 
 from sglang_hf_backend import graph_ops
+from sglang_hf_backend.args import switched_on
 from sglang_hf_backend.diagnostics import decision
 
 PACKED_WEIGHTS_ENV = "SGLANG_HF_BACKEND_PACKED_WEIGHTS"
@@ -152,11 +152,10 @@ def _packed_product_is_identical(dtype: torch.dtype) -> bool:
 def wanted(device: str, quantized: bool) -> bool:
     """Does this model pack its linears? On CPU, unquantized, where ``should_pack``, unless
     ``SGLANG_HF_BACKEND_PACKED_WEIGHTS=0`` asks for torch's plain matmul (for comparisons)."""
-    setting = os.environ.get(PACKED_WEIGHTS_ENV, "1")
-    if setting not in ("0", "1"):
-        raise ValueError(
-            f"{PACKED_WEIGHTS_ENV}={setting!r}: use 1 (pack where oneDNN computes the dtype, the default) or 0"
-        )
-    if device != "cpu" or quantized or setting == "0":
+    if (
+        device != "cpu"
+        or quantized
+        or not switched_on(PACKED_WEIGHTS_ENV, "pack where oneDNN computes the dtype")
+    ):
         return False
     return should_pack(torch.get_default_dtype())

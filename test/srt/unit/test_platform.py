@@ -99,3 +99,53 @@ def test_auto_dtype_on_this_cpu(tmp_path):
     args = ServerArgs(model_path=str(tmp_path))
     platform.HFBackendCpuPlatform.choose_dtype(args)
     assert args.dtype == ("auto" if torch.bfloat16 in platform.native_half_dtypes() else "float32")
+
+
+MALLOC_PROBE = """
+import ctypes, json, sys
+import sglang.srt.platforms  # noqa: F401  (resolves the platform plugins before ours is imported)
+import torch
+from sglang_hf_backend import platform
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+if sys.argv[1] == "keep":
+    platform.keep_freed_memory_for_reuse()
+block = torch.empty(64 << 20, dtype=torch.uint8)
+held = libc.mallinfo2()
+del block
+freed = libc.mallinfo2()
+print(json.dumps({"mapped_held": held.hblkhd, "heap_held": held.arena, "heap_after_free": freed.arena}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["keep", "default"])
+def test_large_blocks_stay_in_the_heap_for_reuse(mode):
+    """A 64 MiB temporary comes from the heap and stays there when freed (reused by the next
+    prefill instead of faulted in again); glibc's default maps and unmaps it."""
+    import subprocess
+    import sys
+
+    probe = subprocess.run(
+        [sys.executable, "-c", MALLOC_PROBE, mode], capture_output=True, text=True, check=True
+    )
+    sizes = json.loads(probe.stdout.strip().splitlines()[-1])
+    if mode == "keep":
+        assert sizes["mapped_held"] < 64 << 20 <= sizes["heap_held"]
+        assert sizes["heap_after_free"] >= 64 << 20  # not trimmed back to the OS
+    else:
+        assert sizes["mapped_held"] >= 64 << 20
+
+
+def test_keeping_freed_memory_can_be_switched_off(monkeypatch, caplog):
+    monkeypatch.setenv(platform.KEEP_FREED_MEMORY_ENV, "0")
+    with caplog.at_level("INFO"):
+        platform.keep_freed_memory_for_reuse()
+    assert "malloc" not in caplog.text
+    monkeypatch.setenv(platform.KEEP_FREED_MEMORY_ENV, "2")
+    with pytest.raises(ValueError, match="SGLANG_HF_BACKEND_KEEP_FREED_MEMORY='2'"):
+        platform.keep_freed_memory_for_reuse()
