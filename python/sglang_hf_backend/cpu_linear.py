@@ -152,10 +152,7 @@ def _packed_product_is_identical(dtype: torch.dtype) -> bool:
 def wanted(device: str, quantized: bool) -> bool:
     """Does this model pack its linears? On CPU, unquantized, where ``should_pack``, unless
     ``SGLANG_HF_BACKEND_PACKED_WEIGHTS=0`` asks for torch's plain matmul (for comparisons)."""
-    if (
-        device != "cpu"
-        or quantized
-        or not switched_on(PACKED_WEIGHTS_ENV, "pack where oneDNN computes the dtype")
-    ):
+    packing = switched_on(PACKED_WEIGHTS_ENV, "pack where oneDNN computes the dtype")
+    if device != "cpu" or quantized or not packing:
         return False
     return should_pack(torch.get_default_dtype())
