@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -127,9 +129,6 @@ print(json.dumps({"mapped_held": held.hblkhd, "heap_held": held.arena, "heap_aft
 def test_large_blocks_stay_in_the_heap_for_reuse(mode):
     """A 64 MiB temporary comes from the heap and stays there when freed (reused by the next
     prefill instead of faulted in again); glibc's default maps and unmaps it."""
-    import subprocess
-    import sys
-
     probe = subprocess.run(
         [sys.executable, "-c", MALLOC_PROBE, mode], capture_output=True, text=True, check=True
     )
