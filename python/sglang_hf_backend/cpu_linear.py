@@ -8,7 +8,12 @@ about twice the speed at 1-32 tokens (Xeon with AMX, bf16, SmolLM2's shapes: gat
 token 0.121 -> 0.057 ms, the 49152 x 576 head 2.22 -> 1.15 ms); prefills of more tokens keep the
 plain product, which is as fast there. Half types that oneDNN computes natively are packed
 where the packed product is bit-identical (``should_pack``, checked once per process and
-dtype); fp32, where torch's own GEMM is as fast and oneDNN rounds differently, stays as it is.
+dtype). fp32 rounds differently in oneDNN, so it is packed only where dtype auto chose fp32
+because the CPU has no native half type (``platform.fp32_served_for_speed``): there torch's
+fp32 matmul (MKL) streams weights slowly at decode sizes (AVX2-only EPYC, SmolLM2's 121
+linears of a step: 45 -> 27.5 ms at 1 token, 178 -> 107 ms at 32; prefill sizes too), so
+packed fp32 is used at every size; an explicit ``dtype="float32"``, what exact comparisons ask
+for, keeps torch's product.
 
 The layers keep their plain weight (weight reloads, LoRA and load reports read it) and hold a
 handle into ``_PACKED``: an mkldnn tensor cannot be an input of a compiled graph, whose cache
@@ -29,19 +34,21 @@ from torch import nn
 from sglang_hf_backend import graph_ops
 from sglang_hf_backend.args import switched_on
 from sglang_hf_backend.diagnostics import decision
+from sglang_hf_backend.platform import fp32_served_for_speed
 
 PACKED_WEIGHTS_ENV = "SGLANG_HF_BACKEND_PACKED_WEIGHTS"
 _PACKED: list[torch.Tensor] = []  # handle -> packed weight
 _TOKENS_HINT = 32  # the batch size oneDNN packs for
-# Above this many tokens (prefill) the plain product is as fast or faster (SmolLM2's four
-# linears, bf16: 0.31 vs 0.50 ms at 64 tokens, 0.94 vs 1.12 at 256, 1.97 vs 1.80 at 512).
+# Above this many tokens (prefill) the plain bf16 product is as fast or faster (SmolLM2's four
+# linears: 0.31 vs 0.50 ms at 64 tokens, 0.94 vs 1.12 at 256, 1.97 vs 1.80 at 512). Packed fp32
+# (AVX2-only EPYC) stays faster at every size: 0.87-0.97x torch's time from 256 to 4096 tokens.
 _PACKED_MAX_TOKENS = 256
 
 
 def _linear(
     x: torch.Tensor, weight: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    if x.numel() > _PACKED_MAX_TOKENS * x.shape[-1]:
+    if x.dtype != torch.float32 and x.numel() > _PACKED_MAX_TOKENS * x.shape[-1]:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, _PACKED[int(handle)], bias, "none", [], "")
 
@@ -150,9 +157,25 @@ def _packed_product_is_identical(dtype: torch.dtype) -> bool:
 
 
 def wanted(device: str, quantized: bool) -> bool:
-    """Does this model pack its linears? On CPU, unquantized, where ``should_pack``, unless
-    ``SGLANG_HF_BACKEND_PACKED_WEIGHTS=0`` asks for torch's plain matmul (for comparisons)."""
+    """Does this model pack its linears? On CPU, unquantized, where ``should_pack`` (fp32: where
+    dtype auto chose it), unless ``SGLANG_HF_BACKEND_PACKED_WEIGHTS=0`` asks for torch's plain
+    matmul (for comparisons)."""
     packing = switched_on(PACKED_WEIGHTS_ENV, "pack where oneDNN computes the dtype")
     if device != "cpu" or quantized or not packing:
         return False
-    return should_pack(torch.get_default_dtype())
+    dtype = torch.get_default_dtype()
+    if dtype != torch.float32:
+        return should_pack(dtype)
+    if not fp32_served_for_speed():
+        return False
+    _say_fp32_is_packed()
+    return True
+
+
+@functools.cache
+def _say_fp32_is_packed() -> None:
+    decision(
+        "float32 linears: dtype auto serves float32 on this CPU (no native half type), so weights "
+        "are packed for oneDNN's fp32 product, faster than torch's matmul and within fp32 rounding "
+        "of it; an explicit dtype=float32 keeps torch's matmul"
+    )

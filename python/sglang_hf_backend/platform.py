@@ -14,7 +14,8 @@ runs those functions with pinning as a no-op (a pinned copy of a CPU tensor is t
 and the platform serves LoRA with SGLang's ``torch_native`` backend (the others are Triton).
 The platform also picks our batched CPU attention backend (``cpu_attention.py``), and with
 ``dtype="auto"`` serves in a type this CPU multiplies natively (bf16 where AMX/AVX512-BF16
-exist, else fp32) instead of a half type torch runs on a slow path here (``cpu_dtype_choice``).
+exist, else fp32) instead of a half type torch runs on a slow path here (``cpu_dtype_choice``);
+fp32 chosen that way is multiplied by oneDNN (``cpu_linear``), an explicit fp32 by torch.
 In its worker processes glibc's malloc keeps large freed blocks for reuse
 (``keep_freed_memory_for_reuse``) instead of faulting every prefill temporary in anew.
 """
@@ -51,6 +52,8 @@ CPU_GRAPH_REFUSAL = (
 # SGLang's one LoRA backend written in torch; its default (csgmv) and the others launch Triton.
 LORA_BACKEND = "torch_native"
 KEEP_FREED_MEMORY_ENV = "SGLANG_HF_BACKEND_KEEP_FREED_MEMORY"
+# Set by the platform, for its workers: dtype auto serves fp32 here (no native half type).
+FP32_FOR_SPEED_ENV = "SGLANG_HF_BACKEND_FP32_FOR_SPEED"
 # glibc's mallopt parameters, and how much freed memory a worker keeps for reuse.
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
 KEPT_FREE_BYTES = 1 << 30
@@ -250,7 +253,22 @@ class HFBackendCpuPlatform(CpuDeviceMixin, SRTPlatform):
         )
         if why:
             (logger.info if dtype != server_args.dtype else logger.warning)("%s", why)
+        publish_fp32_for_speed(server_args.dtype == "auto" and dtype == "float32")
         server_args.dtype = dtype
+
+
+def publish_fp32_for_speed(chosen: bool) -> None:
+    """Tell this engine's workers (spawned children inherit the environment) whether fp32 is
+    served because dtype auto chose it for speed, not because the user asked for fp32: only
+    then may a linear trade torch's fp32 rounding for a faster product (``cpu_linear``)."""
+    if chosen:
+        os.environ[FP32_FOR_SPEED_ENV] = "1"
+    else:
+        os.environ.pop(FP32_FOR_SPEED_ENV, None)
+
+
+def fp32_served_for_speed() -> bool:
+    return os.environ.get(FP32_FOR_SPEED_ENV) == "1"
 
 
 def keep_freed_memory_for_reuse() -> None:
@@ -319,6 +337,18 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def sglang_auto_dtype(stored: torch.dtype) -> torch.dtype:
+    """What SGLang's dtype auto serves a checkpoint stored in ``stored`` in."""
+    return stored if stored in HALF_DTYPES.values() else torch.float16
+
+
+def served_dtype(requested: str, model_path: str) -> str:
+    """The dtype an engine on this CPU serves for ``requested`` (for reports)."""
+    stored = checkpoint_dtype(model_path)
+    dtype, _ = cpu_dtype_choice(requested, stored, native_half_dtypes())
+    return dtype_name(sglang_auto_dtype(stored)) if dtype == "auto" and stored is not None else dtype
+
+
 def cpu_dtype_choice(requested: str, stored: torch.dtype | None, native: set[torch.dtype]) -> tuple[str, str]:
     """(dtype to serve, why) for a ``--dtype`` on this CPU; ``why`` is empty when nothing is said.
 
@@ -327,7 +357,7 @@ def cpu_dtype_choice(requested: str, stored: torch.dtype | None, native: set[tor
     """
     capability = torch.backends.cpu.get_cpu_capability()
     if requested == "auto" and stored is not None:
-        target = stored if stored in HALF_DTYPES.values() else torch.float16
+        target = sglang_auto_dtype(stored)
         if target not in native:
             served = torch.bfloat16 if torch.bfloat16 in native else torch.float32
             return dtype_name(served), (

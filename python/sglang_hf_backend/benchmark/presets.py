@@ -34,7 +34,7 @@ class Workload:
 @dataclasses.dataclass
 class ModelCase:
     name: str
-    dtype: str
+    dtype: str  # "auto" on CPU: what the platform serves there (bf16 where native, else fp32)
     workload: Workload
     engine_args: dict = dataclasses.field(default_factory=dict)
     serving: bool = True
@@ -58,10 +58,10 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 PRESETS = {
     "cpu": [
-        ModelCase("smollm2", "bfloat16", Workload(), CPU_ENGINE_ARGS),
+        ModelCase("smollm2", "auto", Workload(), CPU_ENGINE_ARGS),
         ModelCase(
             "llama-0.5b",
-            "bfloat16",
+            "auto",
             Workload(prompts=32, input_len=128, output_len=32, latency_output_len=32),
             CPU_ENGINE_ARGS,
             serving=False,
@@ -70,7 +70,7 @@ PRESETS = {
     "moe": [
         ModelCase(
             "qwen3-moe-16x",
-            "bfloat16",
+            "auto",
             Workload(prompts=32, input_len=128, output_len=32, latency_output_len=32),
             CPU_ENGINE_ARGS,
             serving=False,
@@ -81,7 +81,7 @@ PRESETS = {
     "lora": [
         ModelCase(
             "smollm2",
-            "bfloat16",
+            "auto",
             LORA_WORKLOAD,
             CPU_ENGINE_ARGS,
             serving=False,

@@ -67,7 +67,16 @@ METRICS = [
 ]
 
 
-def markdown(summary: dict, impls: list[str], measured_on: dict) -> str:
+def served_dtypes(results: list[dict]) -> dict:
+    """Per (model, impl): the dtype it ran in (``auto`` is the platform's choice on CPU)."""
+    dtypes: dict = {}
+    for r in results:
+        if "dtype" in r["metrics"]:
+            dtypes.setdefault(r["model"], {})[r["impl"]] = r["metrics"]["dtype"]
+    return dtypes
+
+
+def markdown(summary: dict, impls: list[str], measured_on: dict, dtypes: dict) -> str:
     on = f"{measured_on['cpu']}, torch CPU capability {measured_on['torch_cpu_capability']}, {measured_on['cores']} cores"
     if measured_on.get("gpu"):
         on += f", {measured_on['gpu']}"
@@ -80,6 +89,7 @@ def markdown(summary: dict, impls: list[str], measured_on: dict) -> str:
             "| metric | " + " | ".join(impls) + " |",
             "|---|" + "---|" * len(impls),
         ]
+        lines.append("| dtype | " + " | ".join(dtypes.get(model, {}).get(i, "n/a") for i in impls) + " |")
         native = by_impl.get("native", {})
         hf_runs = [i for i in impls if i.split("+")[0] == "hf"]
         for key, label, _ in METRICS:

@@ -96,7 +96,7 @@ def measure_engine(spec: str, path: str, case: ModelCase, seed: int) -> dict:
         log_level="error",
         **{**case.engine_args, **lora, **impl.engine_args},
     )
-    result = {"startup_s": time.perf_counter() - started}
+    result = {"startup_s": time.perf_counter() - started, "dtype": engine_dtype(impl.dtype_for(case), path)}
     try:
         # Warm-up covers both shape classes a compiled model specialises on: 1 token and many.
         started = time.perf_counter()
@@ -120,6 +120,17 @@ def measure_engine(spec: str, path: str, case: ModelCase, seed: int) -> dict:
         engine.shutdown()
     result["peak_rss_mb"] = rss.stop() / 2**20
     return result
+
+
+def engine_dtype(requested: str, path: str) -> str:
+    """The dtype an SGLang engine serves here (on CPU, ``auto`` is our platform's choice)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return requested
+    from sglang_hf_backend.platform import served_dtype
+
+    return served_dtype(requested, path)
 
 
 def _offline_metrics(generate, vocab: int, w: Workload, seed: int) -> dict:
@@ -174,11 +185,12 @@ def measure_hf(spec: str, path: str, case: ModelCase, seed: int) -> dict:
 
     w = case.workload
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = getattr(torch, split_impl(spec).dtype_for(case))
+    dtype = split_impl(spec).dtype_for(case)  # "auto": the checkpoint's stored type
+    dtype = dtype if dtype == "auto" else getattr(torch, dtype)
     rss = PeakRss()
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    result = {"startup_s": time.perf_counter() - started}
+    result = {"startup_s": time.perf_counter() - started, "dtype": str(model.dtype).removeprefix("torch.")}
     result["ready_s"] = result["startup_s"]
     vocab = model.config.get_text_config().vocab_size
 

@@ -22,7 +22,7 @@ def test_impl_specs():
     assert split_impl("native+torch_native").engine_args == {"attention_backend": "torch_native"}
     case = PRESETS["cpu"][0]
     assert split_impl("hf+fp32").dtype_for(case) == "float32"
-    assert split_impl("hf").dtype_for(case) == case.dtype
+    assert split_impl("hf").dtype_for(case) == case.dtype == "auto"  # what dtype="auto" serves on this CPU
     with pytest.raises(SystemExit, match="plain HF takes only a dtype"):
         split_impl("hf+compile")
     with pytest.raises(SystemExit, match="unknown implementation"):
@@ -37,7 +37,7 @@ def test_cold_runs_get_empty_caches_and_builtin_loses_our_plugin(tmp_path: Path)
     assert impl_env("ours", tmp_path).get("SGLANG_PLUGINS") != "sglang_hf_backend_cpu"
 
 
-def test_ratios_go_to_native_and_to_the_faster_hf():
+def test_report_names_dtypes_and_gives_ratios_to_native_and_the_faster_hf():
     def stat(value):
         return {"median": value, "min": value, "max": value, "n": 1}
 
@@ -49,7 +49,18 @@ def test_ratios_go_to_native_and_to_the_faster_hf():
             "hf+fp32": {"decode_step_ms": stat(125.0), "offline_output_tok_s": stat(160.0)},
         }
     }
-    table = report.markdown(summary, ["native", "ours", "hf", "hf+fp32"], report.machine())
+    results = [
+        {"model": "m", "impl": impl, "round": 0, "metrics": {"dtype": dtype}}
+        for impl, dtype in [
+            ("native", "float32"),
+            ("ours", "float32"),
+            ("hf", "bfloat16"),
+            ("hf+fp32", "float32"),
+        ]
+    ]
+    dtypes = report.served_dtypes(results)
+    table = report.markdown(summary, ["native", "ours", "hf", "hf+fp32"], report.machine(), dtypes)
+    assert "| dtype | float32 | float32 | bfloat16 | float32 |" in table.splitlines()
     step = next(line for line in table.splitlines() if line.startswith("| full-batch decode step"))
     throughput = next(line for line in table.splitlines() if line.startswith("| offline output"))
     assert "50.0 [50.0-50.0] (0.50x, 0.62x hf)" in step  # the faster HF step is 80 ms

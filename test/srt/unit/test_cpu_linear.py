@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod, UnquantizedLinearMethod
 
-from sglang_hf_backend import cpu_linear
+from sglang_hf_backend import cpu_linear, platform
 
 # Where oneDNN has no bf16 (AVX2-only CPUs) nothing is packed in bf16; the method is then
 # exercised in fp32, where oneDNN's packed product rounds differently from torch's.
@@ -96,3 +96,15 @@ def test_fp32_stays_unpacked_and_the_setting_is_checked(monkeypatch):
     monkeypatch.setenv(cpu_linear.PACKED_WEIGHTS_ENV, "yes")
     with pytest.raises(ValueError, match="SGLANG_HF_BACKEND_PACKED_WEIGHTS='yes'"):
         cpu_linear.wanted("cpu", quantized=False)
+
+
+def test_fp32_is_packed_only_where_dtype_auto_chose_it(monkeypatch):
+    from sglang.srt.runtime_context import get_parallel
+
+    assert torch.get_default_dtype() == torch.float32
+    monkeypatch.delenv(platform.FP32_FOR_SPEED_ENV, raising=False)
+    assert not cpu_linear.wanted("cpu", quantized=False)  # an explicit fp32: torch's matmul
+    monkeypatch.setenv(platform.FP32_FOR_SPEED_ENV, "1")
+    with get_parallel().override(tp_rank=0):
+        assert cpu_linear.wanted("cpu", quantized=False)
+    assert not cpu_linear.wanted("cpu", quantized=True)

@@ -93,14 +93,21 @@ def test_dtype_by_cpu(requested, stored, native, served, says):
     assert dtype == served and (says in why if says else why == "")
 
 
-def test_auto_dtype_on_this_cpu(tmp_path):
+def test_auto_dtype_on_this_cpu(tmp_path, monkeypatch):
     from sglang.srt.server_args import ServerArgs
 
+    monkeypatch.delenv(platform.FP32_FOR_SPEED_ENV, raising=False)
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
     assert platform.checkpoint_dtype(str(tmp_path)) == torch.bfloat16
     args = ServerArgs(model_path=str(tmp_path))
     platform.HFBackendCpuPlatform.choose_dtype(args)
-    assert args.dtype == ("auto" if torch.bfloat16 in platform.native_half_dtypes() else "float32")
+    bf16_native = torch.bfloat16 in platform.native_half_dtypes()
+    assert args.dtype == ("auto" if bf16_native else "float32")
+    assert platform.served_dtype("auto", str(tmp_path)) == ("bfloat16" if bf16_native else "float32")
+    # the workers hear whether fp32 was auto's choice (for speed) or asked for (for exactness)
+    assert platform.fp32_served_for_speed() == (not bf16_native)
+    platform.HFBackendCpuPlatform.choose_dtype(ServerArgs(model_path=str(tmp_path), dtype="float32"))
+    assert not platform.fp32_served_for_speed()
 
 
 MALLOC_PROBE = """
