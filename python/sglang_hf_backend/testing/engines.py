@@ -162,7 +162,8 @@ class Server:
         raise TimeoutError(f"server not healthy after {timeout}s:\n{self.log()}")
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text()
 
     def stop(self, timeout: float = 60.0) -> int:

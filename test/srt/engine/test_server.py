@@ -1,8 +1,9 @@
 """``python -m sglang.launch_server --impl transformers`` over HTTP on 127.0.0.1.
 
 The OpenAI-compatible endpoints (plain and streaming completions, chat completions) and
-SGLang's ``/generate`` all answer, and their text equals an ``sgl.Engine`` serving the
-same checkpoint with the same settings; SIGTERM then shuts the server and its children down.
+SGLang's ``/generate`` all answer with the text of HF ``generate``'s greedy tokens for the
+same prompt (chat: the chat-templated prompt); SIGTERM then shuts the server and its
+children down.
 """
 
 from __future__ import annotations
@@ -12,47 +13,49 @@ import json
 import psutil
 import pytest
 import requests
+from transformers import AutoTokenizer
 
-from sglang_hf_backend.testing.engines import NEW_TOKENS, PROMPTS, ours_server, running_engine
+from sglang_hf_backend.testing.engines import NEW_TOKENS, PROMPTS, hf_greedy, ours_server
 
 MODEL = "llama"
 
 
 @pytest.fixture(scope="module")
-def engine_texts(checkpoint):
-    with running_engine(checkpoint(MODEL), impl="transformers") as engine:
-        outs = engine.engine.generate(PROMPTS, {"temperature": 0.0, "max_new_tokens": NEW_TOKENS})
-        chat = engine.engine.generate(
-            engine.engine.tokenizer_manager.tokenizer.apply_chat_template(
-                [{"role": "user", "content": PROMPTS[0]}], tokenize=False, add_generation_prompt=True
-            ),
-            {"temperature": 0.0, "max_new_tokens": NEW_TOKENS},
-        )
-    return [o["text"] for o in outs], chat["text"]
+def hf_texts(checkpoint) -> tuple[list[str], str]:
+    """HF's greedy answers, decoded: one per prompt, and one for the first prompt as a chat."""
+    path = checkpoint(MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPTS[0]}], tokenize=False, add_generation_prompt=True
+    )
+    prompts = [tokenizer(text).input_ids for text in [*PROMPTS, chat]]
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in hf_greedy(path, prompts)]
+    return texts[:-1], texts[-1]
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory, engine_texts):
-    # engine_texts first: an Engine's shutdown ends every child of this process, a server too.
+def server(checkpoint, tmp_path_factory):
+    """One server for the module; the last test stops it with SIGTERM."""
     srv = ours_server(checkpoint(MODEL), tmp_path_factory.mktemp("server") / "server.log")
     yield srv
-    srv.stop()
+    if srv.process.poll() is None:
+        srv.stop()
 
 
 def test_log_names_our_class(server):
     assert "sglang_hf_backend: serving LlamaForCausalLM with TransformersForCausalLM" in server.log()
 
 
-def test_completions_match_engine(server, engine_texts):
-    texts, _ = engine_texts
+def test_completions_match_hf(server, hf_texts):
+    texts, _ = hf_texts
     for prompt, expected in zip(PROMPTS, texts):
         body = {"model": "default", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
         reply = requests.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
         assert reply["choices"][0]["text"] == expected
 
 
-def test_streaming_completion_matches_engine(server, engine_texts):
-    texts, _ = engine_texts
+def test_streaming_completion_matches_hf(server, hf_texts):
+    texts, _ = hf_texts
     body = {
         "model": "default",
         "prompt": PROMPTS[1],
@@ -69,8 +72,8 @@ def test_streaming_completion_matches_engine(server, engine_texts):
     assert "".join(pieces) == texts[1]
 
 
-def test_chat_completion_matches_engine(server, engine_texts):
-    _, expected = engine_texts
+def test_chat_completion_matches_hf(server, hf_texts):
+    _, expected = hf_texts
     body = {
         "model": "default",
         "messages": [{"role": "user", "content": PROMPTS[0]}],
@@ -81,18 +84,17 @@ def test_chat_completion_matches_engine(server, engine_texts):
     assert reply["choices"][0]["message"]["content"] == expected
 
 
-def test_generate_matches_engine(server, engine_texts):
-    texts, _ = engine_texts
+def test_generate_matches_hf(server, hf_texts):
+    texts, _ = hf_texts
     body = {"text": PROMPTS[2], "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS}}
     reply = requests.post(f"{server.url}/generate", json=body, timeout=60).json()
     assert reply["text"] == texts[2]
 
 
-def test_sigterm_shuts_down_cleanly(checkpoint, tmp_path_factory):
-    srv = ours_server(checkpoint(MODEL), tmp_path_factory.mktemp("server-stop") / "server.log")
-    children = psutil.Process(srv.process.pid).children(recursive=True)
+def test_sigterm_shuts_down_cleanly(server):
+    children = psutil.Process(server.process.pid).children(recursive=True)
     assert children, "the server should run scheduler/detokenizer subprocesses"
-    code = srv.stop()
+    code = server.stop()
     gone, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, f"subprocesses left running: {alive}"
-    assert code in (0, -15), srv.log()[-2000:]
+    assert code in (0, -15), server.log()[-2000:]

@@ -6,7 +6,10 @@ Qwen3-Embedding layout (last token, Matryoshka dimensions) and a BERT encoder (m
 pooling, bidirectional attention on RadixAttention). Classifier logits are compared with
 HF ``AutoModelForSequenceClassification``: a decoder classifier with labels, a RoBERTa
 classifier (positions from padding_idx + 1, a head on the first token) and a Llama reward
-model (one score). Every model at TP=1 and TP=2, prompts of different lengths batched.
+model (one score). Every model at TP=1, prompts of different lengths batched; at TP=2 one
+model per kind of backbone and head (a decoder embedder, a decoder classifier, an encoder
+classifier): pooling and heads run on the gathered hidden states, so the other two repeat
+what these show.
 """
 
 from __future__ import annotations
@@ -32,9 +35,12 @@ MODELS = {
     "llama-reward": ("TransformersForSequenceClassification", {}),
 }
 EMBEDDERS = {"qwen3-embedding", "bert-embedding"}
+SHARDED = ["qwen3-embedding", "qwen3-classifier", "roberta-classifier"]  # also served at TP=2
 
 
-@pytest.fixture(scope="module", params=[(name, tp) for name in MODELS for tp in (1, 2)], ids=str)
+@pytest.fixture(
+    scope="module", params=[(name, 1) for name in MODELS] + [(name, 2) for name in SHARDED], ids=str
+)
 def case(request, checkpoint):
     name, tp_size = request.param
     return encode_case(checkpoint, name, tp_size=tp_size, **MODELS[name][1])
