@@ -2,8 +2,9 @@
 
 Fused (the default) vs HF is covered by test_causal (TP=1) and test_tensor_parallel
 (TP=2); here every architecture with a fusion pattern also runs with all fusions
-switched off and must give the same tokens, each fusion can be switched off alone, and
-the profiler counts the matrix multiplies of a forward pass.
+switched off and must give the same tokens, and the profiler counts the matrix
+multiplies of a forward pass. (Each fusion switching off alone is planned on meta
+tensors: test/srt/unit/surgery/fusers/test_switches.py.)
 """
 
 from __future__ import annotations
@@ -52,24 +53,6 @@ def test_unfused_tp2_matches_hf(checkpoint, name):
     path = checkpoint(name)
     ids, unfused, _ = _outputs(path, trust, ALL_OFF, tp_size=2)
     assert unfused == hf_greedy(path, ids, trust)
-
-
-@pytest.mark.parametrize("fusion", ["qkv", "mlp", "norm", "residual"])
-def test_each_fusion_switches_off_alone(checkpoint, fusion):
-    path = checkpoint("llama")
-    ids, outputs, reports = _outputs(path, False, {DISABLE_ENV: fusion})
-    assert outputs == hf_greedy(path, ids)
-    fusions = reports[0]["fusions"]
-    assert f"fusion switched off: {fusion}" in fusions
-    marker = {
-        "qkv": "qkv_proj",
-        "mlp": "gate_up_proj",
-        "norm": "-> SGLang RMSNorm",
-        "residual": "fused add-norm",
-    }
-    assert not any(marker[fusion] in line for line in fusions)
-    expected_fused = {"qkv": 3, "mlp": 3, "norm": 2, "residual": 3}[fusion]  # residual needs norm
-    assert sum(line.startswith("Fused") for line in fusions) == expected_fused
 
 
 def test_llama_layer_runs_four_projections(checkpoint):
