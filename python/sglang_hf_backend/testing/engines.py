@@ -245,8 +245,6 @@ class EncodeCase:
     outputs: torch.Tensor  # one row per prompt: an embedding, or classification logits
     reports: list[dict]
     shortened: torch.Tensor | None  # embeddings asked for with dimensions=SHORT_DIMENSIONS
-    # the prompts again, after the cache was flushed and a prefix of the last one encoded alone
-    after_prefix: torch.Tensor
 
 
 SHORT_DIMENSIONS = 32
@@ -259,21 +257,13 @@ def encode_case(checkpoint, name: str, matryoshka: bool = False, **options) -> E
     if key not in _ENCODED:
         path = checkpoint(name)
         with running_engine(path, impl="transformers", **options) as engine:
-            outputs = _encoded(engine.engine.encode(PROMPTS))
+            outputs = torch.tensor([o["embedding"] for o in engine.engine.encode(PROMPTS)])
             shortened = None
             if matryoshka:
-                shortened = _encoded(engine.engine.encode(PROMPTS, dimensions=SHORT_DIMENSIONS))
-            flushed = engine.engine.flush_cache()
-            if not flushed.success:
-                raise RuntimeError(f"flush_cache failed before the prefix check: {flushed.message}")
-            engine.engine.encode([PROMPTS[-1][:20]])
-            after_prefix = _encoded(engine.engine.encode(PROMPTS))
-            _ENCODED[key] = EncodeCase(name, path, outputs, engine.load_reports(), shortened, after_prefix)
+                encoded = engine.engine.encode(PROMPTS, dimensions=SHORT_DIMENSIONS)
+                shortened = torch.tensor([o["embedding"] for o in encoded])
+            _ENCODED[key] = EncodeCase(name, path, outputs, engine.load_reports(), shortened)
     return _ENCODED[key]
-
-
-def _encoded(outputs: list[dict]) -> torch.Tensor:
-    return torch.tensor([o["embedding"] for o in outputs])
 
 
 def hf_classifier_logits(path: Path) -> torch.Tensor:
