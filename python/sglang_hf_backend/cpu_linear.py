@@ -12,8 +12,10 @@ dtype). fp32 rounds differently in oneDNN, so it is packed only where dtype auto
 because the CPU has no native half type (``platform.fp32_served_for_speed``): there torch's
 fp32 matmul (MKL) streams weights slowly at decode sizes (AVX2-only EPYC, SmolLM2's 121
 linears of a step: 45 -> 27.5 ms at 1 token, 178 -> 107 ms at 32; prefill sizes too), so
-packed fp32 is used at every size; an explicit ``dtype="float32"``, what exact comparisons ask
-for, keeps torch's product.
+packed fp32 is used at every size, except one token (batch-1 decode), which our C++ kernel
+(``csrc/one_token_linear.cpp``) multiplies on the plain weight where the kernels built: 0.7-0.8x
+oneDNN's time there. An explicit ``dtype="float32"``, what exact comparisons ask for, keeps
+torch's product.
 
 The layers keep their plain weight (weight reloads, LoRA and load reports read it) and hold a
 handle into ``_PACKED``: an mkldnn tensor cannot be an input of a compiled graph, whose cache
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod, UnquantizedLinearMethod
 from torch import nn
 
-from sglang_hf_backend import graph_ops
+from sglang_hf_backend import cpu_kernels, graph_ops
 from sglang_hf_backend.args import switched_on
 from sglang_hf_backend.diagnostics import decision
 from sglang_hf_backend.platform import fp32_served_for_speed
@@ -50,7 +52,15 @@ def _linear(
 ) -> torch.Tensor:
     if x.dtype != torch.float32 and x.numel() > _PACKED_MAX_TOKENS * x.shape[-1]:
         return F.linear(x, weight, bias)
+    if x.dtype == torch.float32 and x.numel() == x.shape[-1] and _one_token_kernel_built():
+        return torch.ops.sglang_hf_backend_kernels.one_token_linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, _PACKED[int(handle)], bias, "none", [], "")
+
+
+@functools.cache
+def _one_token_kernel_built() -> bool:
+    """Are our C++ kernels loaded here (asked once; packing asks first, at load time)?"""
+    return cpu_kernels.load() is None
 
 
 def _packed_linear_shape(x, weight, handle, bias):
@@ -69,6 +79,8 @@ class PackedWeights:
     """What the packed methods share: packing after load, and the product."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if layer.weight.dtype == torch.float32:
+            _one_token_kernel_built()  # waits for the kernels' build now, not in the first request
         packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.data, _TOKENS_HINT)
         if getattr(layer, "packed_handle", None) is None:
             layer.packed_handle = torch.tensor(len(_PACKED))
@@ -176,6 +188,8 @@ def wanted(device: str, quantized: bool) -> bool:
 def _say_fp32_is_packed() -> None:
     decision(
         "float32 linears: dtype auto serves float32 on this CPU (no native half type), so weights "
-        "are packed for oneDNN's fp32 product, faster than torch's matmul and within fp32 rounding "
-        "of it; an explicit dtype=float32 keeps torch's matmul"
+        "are packed for oneDNN's fp32 product (one token: our C++ kernel on the plain weight, %s), "
+        "faster than torch's matmul and within fp32 rounding of it; an explicit dtype=float32 keeps "
+        "torch's matmul",
+        "built" if _one_token_kernel_built() else "not built here, so oneDNN's product",
     )

@@ -36,6 +36,7 @@ GEMM_OPS = {
     "aten::baddbmm",
     "aten::_weight_int8pack_mm",
     "mkldnn::_linear_pointwise",  # prepacked linears (cpu_linear.py)
+    "sglang_hf_backend_kernels::one_token_linear",  # their one-token fp32 product
 }
 # With TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1 a compiled step's generated kernels are
 # recorded under names like ``graph_0_cpp_fused_add_mul_0``; they count as other ops.

@@ -1,4 +1,5 @@
-"""The paged decode kernel against attention written out in torch, on scattered pool slots."""
+"""Our C++ kernels against torch: paged decode attention on scattered pool slots, and the
+one-token fp32 linear."""
 
 from __future__ import annotations
 
@@ -9,9 +10,14 @@ from sglang_hf_backend import cpu_kernels
 
 
 @pytest.fixture(scope="module")
-def paged_decode():
+def kernels():
     assert cpu_kernels.load() is None, "the C++ kernels must build on the project's machines"
-    return torch.ops.sglang_hf_backend_kernels.paged_decode_attention
+    return torch.ops.sglang_hf_backend_kernels
+
+
+@pytest.fixture(scope="module")
+def paged_decode(kernels):
+    return kernels.paged_decode_attention
 
 
 def reference(query, k_buffer, v_buffer, kv_index, kv_len, scale, softcap, window):
@@ -70,6 +76,29 @@ def test_bad_inputs_are_refused(paged_decode):
         paged_decode(query, buffer, buffer, index, lens, 1.0, 0.0, -1)
     with pytest.raises(RuntimeError, match="share a dtype"):
         paged_decode(query, buffer.bfloat16(), buffer.bfloat16(), index, lens, 1.0, 0.0, -1)
+
+
+@pytest.mark.parametrize(
+    "shape, out_features, bias",
+    [((1, 576), 960, True), ((1, 1, 1536), 576, False), ((37,), 7, True), ((1, 64), 4098, False)],
+    ids=["qkv-bias", "3d-down", "short-rows", "odd-rows"],
+)
+def test_one_token_linear_matches_fp64_product(kernels, shape, out_features, bias):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=generator)
+    weight = torch.randn(out_features, shape[-1], generator=generator)
+    b = torch.randn(out_features, generator=generator) if bias else None
+    out = kernels.one_token_linear(x, weight, b)
+    expected = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+    assert out.dtype == torch.float32 and out.shape == (*shape[:-1], out_features)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_one_token_linear_refuses_more_tokens(kernels):
+    with pytest.raises(RuntimeError, match="one token"):
+        kernels.one_token_linear(torch.randn(2, 8), torch.randn(4, 8), None)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.one_token_linear(torch.randn(1, 8).bfloat16(), torch.randn(4, 8).bfloat16(), None)
 
 
 def test_switch_is_checked(monkeypatch):
