@@ -9,9 +9,10 @@ schedulers and they import (SmolLM2's first start: the 9 s build no longer delay
 a scheduler that needs the kernels earlier waits on the build's lock and loads what it built.
 
 ``paged_decode_attention`` (``csrc/paged_decode.cpp``): decode attention reading the paged KV
-pool in place. ``one_token_linear`` (``csrc/one_token_linear.cpp``): fp32 linears of one token,
-used where weights are packed for fp32 (``cpu_linear``). ``SGLANG_HF_BACKEND_DECODE_KERNEL=0`` keeps torch's SDPA over gathered K/V
-(for comparisons); where the build fails (no C++ compiler), the backend says so and does the same.
+pool in place; ``SGLANG_HF_BACKEND_DECODE_KERNEL=0`` keeps torch's SDPA over gathered K/V (for
+comparisons). ``one_token_linear`` (``csrc/one_token_linear.cpp``): fp32 linears of one token,
+used where weights are packed for fp32 (``cpu_linear``). Where the build fails (no C++
+compiler), the backend says so, attends with SDPA and multiplies with oneDNN.
 """
 
 from __future__ import annotations
