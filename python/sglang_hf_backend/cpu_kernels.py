@@ -45,9 +45,11 @@ def decode_kernel_setting() -> bool:
 
 
 def build_in_background() -> None:
-    """Build (or load) the kernels in a daemon thread of the launcher, unless switched off."""
-    if decode_kernel_setting():
-        threading.Thread(target=load, name="sglang_hf_backend C++ kernels", daemon=True).start()
+    """Build (or load) the kernels in a daemon thread of the launcher. Also with the decode
+    kernel switched off: fp32 one-token linears use them too, and would otherwise build them
+    while the model loads. The switch's value is still checked here, before any worker starts."""
+    decode_kernel_setting()
+    threading.Thread(target=load, name="sglang_hf_backend C++ kernels", daemon=True).start()
 
 
 def load() -> str | None:
