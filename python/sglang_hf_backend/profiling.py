@@ -39,11 +39,12 @@ GEMM_OPS = {
     "sglang_hf_backend_kernels::one_token_linear",  # their one-token fp32 product
 }
 # With TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1 a compiled step's generated kernels are
-# recorded under names like ``graph_0_cpp_fused_add_mul_0``; they count as other ops.
-INDUCTOR_KERNEL_PREFIX = "graph_"
+# recorded under names like ``graph_0_cpp_fused_add_mul_0``, or ``cpp_fused_add_mul_0`` inside
+# a layer body compiled once and repeated (invoke_subgraph); they count as other ops.
+INDUCTOR_KERNEL_PREFIXES = ("graph_", "cpp_fused_")
 # torch's ops, our C++ kernels (cpu_kernels.py) and generated kernels; our Python custom ops
 # (``sglang_hf_backend::...``) only wrap these, so their own time is dispatch.
-OP_PREFIXES = ("aten::", "sglang_hf_backend_kernels::", INDUCTOR_KERNEL_PREFIX)
+OP_PREFIXES = ("aten::", "sglang_hf_backend_kernels::", *INDUCTOR_KERNEL_PREFIXES)
 
 
 def attention_range():
