@@ -17,7 +17,8 @@ The platform also picks our batched CPU attention backend (``cpu_attention.py``)
 exist, else fp32) instead of a half type torch runs on a slow path here (``cpu_dtype_choice``);
 fp32 chosen that way is multiplied by oneDNN (``cpu_linear``), an explicit fp32 by torch.
 In its worker processes glibc's malloc keeps large freed blocks for reuse
-(``keep_freed_memory_for_reuse``) instead of faulting every prefill temporary in anew.
+(``keep_freed_memory_for_reuse``) instead of faulting every prefill temporary in anew, and idle
+schedulers wait for requests instead of polling for them (``sleep_when_idle``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ CPU_GRAPH_REFUSAL = (
 # SGLang's one LoRA backend written in torch; its default (csgmv) and the others launch Triton.
 LORA_BACKEND = "torch_native"
 KEEP_FREED_MEMORY_ENV = "SGLANG_HF_BACKEND_KEEP_FREED_MEMORY"
+SLEEP_WHEN_IDLE_ENV = "SGLANG_HF_BACKEND_SLEEP_WHEN_IDLE"
 # Set by the platform, for its workers: dtype auto serves fp32 here (no native half type).
 FP32_FOR_SPEED_ENV = "SGLANG_HF_BACKEND_FP32_FOR_SPEED"
 # glibc's mallopt parameters, and how much freed memory a worker keeps for reuse.
@@ -244,6 +246,7 @@ class HFBackendCpuPlatform(CpuDeviceMixin, SRTPlatform):
             )
             server_args.lora_backend = LORA_BACKEND
         self.choose_dtype(server_args)
+        sleep_when_idle(server_args)
 
     @staticmethod
     def choose_dtype(server_args) -> None:
@@ -255,6 +258,25 @@ class HFBackendCpuPlatform(CpuDeviceMixin, SRTPlatform):
             (logger.info if dtype != server_args.dtype else logger.warning)("%s", why)
         publish_fp32_for_speed(server_args.dtype == "auto" and dtype == "float32")
         server_args.dtype = dtype
+
+
+def sleep_when_idle(server_args) -> None:
+    """Idle schedulers wait on their request sockets (SGLang's ``--sleep-on-idle``).
+
+    Without it SGLang's scheduler loop polls for requests without pause: on a GPU server that
+    is one host core of many, on a CPU machine a core taken from the model's threads, the
+    tokenizer, the detokenizer and the rest of the machine. An idle engine kept a whole core
+    busy (5.0 s of CPU in 5 s), at tp_size 2 one and a half of this machine's two; sleeping,
+    0.1 s. A request wakes the scheduler at once (a zmq poll on its sockets), and the other TP
+    ranks then wait in their broadcast instead of spinning through empty ones.
+    """
+    if server_args.sleep_on_idle or not switched_on(SLEEP_WHEN_IDLE_ENV, "idle schedulers sleep"):
+        return
+    server_args.sleep_on_idle = True
+    logger.info(
+        "idle schedulers wait for requests instead of polling (sleep_on_idle; %s=0 polls)",
+        SLEEP_WHEN_IDLE_ENV,
+    )
 
 
 def publish_fp32_for_speed(chosen: bool) -> None:

@@ -67,6 +67,20 @@ def test_lora_served_by_the_torch_backend():
     assert args.lora_backend == platform.LORA_BACKEND == "torch_native"
 
 
+@pytest.mark.parametrize(("setting", "sleeps"), [(None, True), ("1", True), ("0", False)])
+def test_idle_schedulers_sleep_unless_switched_off(monkeypatch, setting, sleeps):
+    from sglang.srt.server_args import ServerArgs
+
+    if setting is not None:
+        monkeypatch.setenv(platform.SLEEP_WHEN_IDLE_ENV, setting)
+    args = ServerArgs(model_path="unused")
+    platform.HFBackendCpuPlatform().apply_server_args_defaults(args)
+    assert args.sleep_on_idle is sleeps
+    monkeypatch.setenv(platform.SLEEP_WHEN_IDLE_ENV, "yes")
+    with pytest.raises(ValueError, match="SGLANG_HF_BACKEND_SLEEP_WHEN_IDLE='yes'"):
+        platform.HFBackendCpuPlatform().apply_server_args_defaults(ServerArgs(model_path="unused"))
+
+
 def test_native_half_types_follow_the_cpu_flags():
     flags = set(open("/proc/cpuinfo").read().split())
     native = platform.native_half_dtypes()
@@ -132,14 +146,26 @@ print(json.dumps({"mapped_held": held.hblkhd, "heap_held": held.arena, "heap_aft
 """
 
 
+@pytest.fixture(scope="module")
+def malloc_probes() -> dict[str, dict]:
+    """The probe with and without our setting, in two processes run side by side."""
+    started = {
+        mode: subprocess.Popen([sys.executable, "-c", MALLOC_PROBE, mode], stdout=subprocess.PIPE, text=True)
+        for mode in ("keep", "default")
+    }
+    sizes = {}
+    for mode, process in started.items():
+        stdout, _ = process.communicate(timeout=120)
+        assert process.returncode == 0
+        sizes[mode] = json.loads(stdout.strip().splitlines()[-1])
+    return sizes
+
+
 @pytest.mark.parametrize("mode", ["keep", "default"])
-def test_large_blocks_stay_in_the_heap_for_reuse(mode):
+def test_large_blocks_stay_in_the_heap_for_reuse(malloc_probes, mode):
     """A 64 MiB temporary comes from the heap and stays there when freed (reused by the next
     prefill instead of faulted in again); glibc's default maps and unmaps it."""
-    probe = subprocess.run(
-        [sys.executable, "-c", MALLOC_PROBE, mode], capture_output=True, text=True, check=True
-    )
-    sizes = json.loads(probe.stdout.strip().splitlines()[-1])
+    sizes = malloc_probes[mode]
     if mode == "keep":
         assert sizes["mapped_held"] < 64 << 20 <= sizes["heap_held"]
         assert sizes["heap_after_free"] >= 64 << 20  # not trimmed back to the OS
