@@ -35,12 +35,12 @@ def test_engine_rejects_conflicting_spellings_before_starting(checkpoint):
         sgl.Engine(model_path=str(checkpoint("llama")), impl="transformers", model_impl="sglang")
 
 
-def test_launch_server_rejects_conflicting_spellings(checkpoint):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sglang.launch_server",
+@pytest.fixture(scope="module")
+def launch_server_runs(checkpoint) -> dict[str, subprocess.CompletedProcess]:
+    """``launch_server`` with both spellings disagreeing, and with ``--help``: two fresh
+    processes (each imports SGLang for ~10 s), run side by side."""
+    commands = {
+        "conflict": [
             "--model-path",
             str(checkpoint("llama")),
             "--impl",
@@ -48,17 +48,31 @@ def test_launch_server_rejects_conflicting_spellings(checkpoint):
             "--model-impl",
             "sglang",
         ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+        "help": ["--help"],
+    }
+    started = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "sglang.launch_server", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, args in commands.items()
+    }
+    runs = {}
+    for name, process in started.items():
+        stdout, stderr = process.communicate(timeout=120)
+        runs[name] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return runs
+
+
+def test_launch_server_rejects_conflicting_spellings(launch_server_runs):
+    result = launch_server_runs["conflict"]
     assert result.returncode != 0
     assert "impl='transformers' and model_impl='sglang' disagree" in result.stderr
 
 
-def test_launch_server_help_lists_impl():
-    result = subprocess.run(
-        [sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True, text=True, timeout=120
-    )
+def test_launch_server_help_lists_impl(launch_server_runs):
+    result = launch_server_runs["help"]
     assert "--impl {auto,sglang,transformers,mindspore}" in result.stdout
     assert "Alias of --model-impl" in result.stdout
