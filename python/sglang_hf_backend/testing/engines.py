@@ -29,6 +29,7 @@ PROMPTS = [
 NEW_TOKENS = 16
 GREEDY = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS}
 ENGINE_DEFAULTS = dict(dtype="float32", max_total_tokens=8192, log_level="error")
+HEALTH_POLL_S = 0.2  # seconds between /health polls while a server starts (at 1 s, ~0.5 s lost per start)
 
 
 def cpu_bind_env(ranks: int) -> dict:
@@ -157,7 +158,7 @@ class Server:
                     return
             except requests.RequestException:
                 pass
-            time.sleep(1)
+            time.sleep(HEALTH_POLL_S)
         self.stop()
         raise TimeoutError(f"server not healthy after {timeout}s:\n{self.log()}")
 
