@@ -325,10 +325,8 @@ def test_idle_server_leaves_the_cores_alone(server, references):
         server.url + "/generate", json={"text": PROMPTS[0], "sampling_params": GREEDY}, timeout=60
     )
     assert reply.json()["text"] == references[PROMPTS[0]]
-    processes = [
-        psutil.Process(server.process.pid),
-        *psutil.Process(server.process.pid).children(recursive=True),
-    ]
+    launcher = psutil.Process(server.process.pid)
+    processes = [launcher, *launcher.children(recursive=True)]
     time.sleep(1)  # what the last request left to finish
     before = sum(sum(p.cpu_times()[:2]) for p in processes)
     time.sleep(2)

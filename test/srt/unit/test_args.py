@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import sglang as sgl
 
 from sglang_hf_backend.args import ArgumentConflictError, resolve_model_impl
+from sglang_hf_backend.testing.processes import run_side_by_side
 
 
 @pytest.mark.parametrize(
@@ -36,7 +34,7 @@ def test_engine_rejects_conflicting_spellings_before_starting(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def launch_server_runs(checkpoint) -> dict[str, subprocess.CompletedProcess]:
+def launch_server_runs(checkpoint) -> dict:
     """``launch_server`` with both spellings disagreeing, and with ``--help``: two fresh
     processes (each imports SGLang for ~10 s), run side by side."""
     commands = {
@@ -50,20 +48,7 @@ def launch_server_runs(checkpoint) -> dict[str, subprocess.CompletedProcess]:
         ],
         "help": ["--help"],
     }
-    started = {
-        name: subprocess.Popen(
-            [sys.executable, "-m", "sglang.launch_server", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for name, args in commands.items()
-    }
-    runs = {}
-    for name, process in started.items():
-        stdout, stderr = process.communicate(timeout=120)
-        runs[name] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-    return runs
+    return run_side_by_side({name: ["-m", "sglang.launch_server", *args] for name, args in commands.items()})
 
 
 def test_launch_server_rejects_conflicting_spellings(launch_server_runs):

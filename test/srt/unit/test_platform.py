@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from sglang_hf_backend import platform
+from sglang_hf_backend.testing.processes import run_side_by_side
 
 
 def test_registered_as_sglang_platform():
@@ -149,15 +148,11 @@ print(json.dumps({"mapped_held": held.hblkhd, "heap_held": held.arena, "heap_aft
 @pytest.fixture(scope="module")
 def malloc_probes() -> dict[str, dict]:
     """The probe with and without our setting, in two processes run side by side."""
-    started = {
-        mode: subprocess.Popen([sys.executable, "-c", MALLOC_PROBE, mode], stdout=subprocess.PIPE, text=True)
-        for mode in ("keep", "default")
-    }
+    runs = run_side_by_side({mode: ["-c", MALLOC_PROBE, mode] for mode in ("keep", "default")})
     sizes = {}
-    for mode, process in started.items():
-        stdout, _ = process.communicate(timeout=120)
-        assert process.returncode == 0
-        sizes[mode] = json.loads(stdout.strip().splitlines()[-1])
+    for mode, run in runs.items():
+        assert run.returncode == 0, run.stderr[-2000:]
+        sizes[mode] = json.loads(run.stdout.strip().splitlines()[-1])
     return sizes
 
 
