@@ -11,7 +11,8 @@ time, the profiled ones the split). Each forward becomes one JSON line in
   a compiled step's generated kernels included;
 - ``python_ms``: forward wall time (unprofiled) minus all op time: Python and dispatch;
 - ``outside_ms``: time from the end of the previous forward to the start of this one
-  (scheduler, sampling, detokenizer hand-off), for consecutive steps.
+  (scheduler, sampling, detokenizer hand-off), for consecutive steps;
+- ``top_ops``: the ops with the most self time and their ms, which says what a part is made of.
 ``scripts/profile_step.py`` runs the workloads and folds the lines into a table.
 """
 
@@ -45,6 +46,7 @@ INDUCTOR_KERNEL_PREFIXES = ("graph_", "cpp_fused_")
 # torch's ops, our C++ kernels (cpu_kernels.py) and generated kernels; our Python custom ops
 # (``sglang_hf_backend::...``) only wrap these, so their own time is dispatch.
 OP_PREFIXES = ("aten::", "sglang_hf_backend_kernels::", *INDUCTOR_KERNEL_PREFIXES)
+TOP_OPS = 12  # ops with the most self time, listed per profiled forward
 
 
 def attention_range():
@@ -96,10 +98,11 @@ class StepProfiler:
         self.last_end = time.perf_counter()
 
 
-def split_ops(events) -> dict[str, float]:
-    """Self CPU time of the recorded ops (ms): matmuls, attention, and everything else."""
+def split_ops(events) -> dict:
+    """Self CPU time of the recorded ops (ms): matmuls, attention, everything else, and the top ops."""
     ranges = [(e.time_range.start, e.time_range.end) for e in events if e.name == ATTENTION_RANGE]
     totals = {"gemm_ms": 0.0, "attention_ms": 0.0, "other_ops_ms": 0.0}
+    by_op: dict[str, float] = {}
     for event in events:
         if not (event.name.startswith(OP_PREFIXES) or event.name in GEMM_OPS):
             continue
@@ -111,6 +114,8 @@ def split_ops(events) -> dict[str, float]:
         else:
             key = "other_ops_ms"
         totals[key] += event.self_cpu_time_total / 1000
+        by_op[event.name] = by_op.get(event.name, 0.0) + event.self_cpu_time_total / 1000
+    totals["top_ops"] = dict(sorted(by_op.items(), key=lambda item: -item[1])[:TOP_OPS])
     return totals
 
 

@@ -97,6 +97,7 @@ def fold(lines: list[dict], mode: str, batch: int, between_steps: bool = True) -
     row["python_ms"] = max(0.0, row["wall_ms"] - row["gemm_ms"] - row["attention_ms"] - row["other_ops_ms"])
     gaps = [line["outside_ms"] for line in timed if line["outside_ms"] is not None]
     row["outside_ms"] = statistics.median(gaps) if gaps and between_steps else None
+    row["top_ops"] = profiled[-1].get("top_ops", {})  # where the last profiled step spent its op time
     return row
 
 

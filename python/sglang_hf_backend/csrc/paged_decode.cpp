@@ -7,13 +7,12 @@
 // Work is split over requests (or (request, KV head) pairs when requests are fewer than threads);
 // arithmetic uses ATen's vector types, built for the widest vector unit this CPU has. Scores of a
 // block of keys are summed lane-wise together (sum_lanes) rather than one horizontal reduction per
-// key, and value rows are accumulated in four independent chains: at SmolLM2's batch-32 shape (9
-// heads over 3 KV heads of 64, ~160 cached tokens) that took 30 layers from 16.1 to 13.9 ms with
-// each layer's KV in memory, 11.0 to 7.1 ms with it in cache. bf16 on CPUs with AVX512-BF16 takes
+// key, and value rows are accumulated in independent chains. bf16 on CPUs with AVX512-BF16 takes
 // its own path (decode_bf16_pairs), multiplying the rows as bf16 pairs. fp32 rows are read where
 // they lie (other types are converted a block at a time), a query vector is loaded once for a
-// block of keys, and value sums run eight chains: fp32 at that shape with 192 cached tokens, on an
-// AVX2-only EPYC, 30 layers 29.3 -> 20.7 ms with the KV in memory, 18.4 -> 13.1 ms in cache.
+// block of keys, and value sums run eight chains: fp32 at SmolLM2's batch-32 shape (9 heads over 3
+// KV heads of 64) with 192 cached tokens, on an AVX2-only EPYC, 30 layers 29.3 -> 20.7 ms with the
+// KV in memory, 18.4 -> 13.1 ms in cache. `scripts/bench_decode_kernel.py` times it on model shapes.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -152,6 +151,17 @@ inline float exp_shifted(float* x, int64_t n, float shift) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum);
 }
 
+// The largest of s[0, n), n > 0.
+inline float max_of(const float* s, int64_t n) {
+  const Vec lowest(-std::numeric_limits<float>::infinity());
+  Vec m = lowest;
+  for (int64_t i = 0; i < n; i += Vec::size()) {
+    const int64_t count = std::min<int64_t>(Vec::size(), n - i);
+    m = at::vec::maximum(m, Vec::set(lowest, Vec::loadu(s + i, count), count));
+  }
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, m);
+}
+
 // Each head's running score maximum and normaliser over the blocks seen so far (online softmax).
 struct OnlineSoftmax {
   std::vector<float> row_max, row_sum;
@@ -166,7 +176,7 @@ struct OnlineSoftmax {
   // Head h's block scores s[0, keys) become exp(s - running max) in place; returns the factor by
   // which the head's earlier value sums must be scaled (0 on the first block).
   float absorb(int64_t h, float* s, int64_t keys) {
-    const float new_max = std::max(row_max[h], *std::max_element(s, s + keys));
+    const float new_max = std::max(row_max[h], max_of(s, keys));
     const float rescale = std::exp(row_max[h] - new_max);
     row_sum[h] = row_sum[h] * rescale + exp_shifted(s, keys, new_max);
     row_max[h] = new_max;
@@ -222,11 +232,16 @@ inline void weighted_sum(float* acc, const float* const* values, const float* we
 // bf16 x bf16 products in fp32 straight from the pool's rows, with no fp32 copy of them. Scores
 // are scaled after the product; probabilities enter the value sum rounded to bf16 (as in torch's
 // CPU flash attention), their normaliser stays fp32. N = head_dim / 32: one register, 32 bf16.
-// At SmolLM2's batch-32 shape this took 30 layers from 16.0 to 13.6 ms with KV from memory and
-// from 6.8 to 5.9 ms with it in cache.
+// Work goes in units of a block of keys for one KV head. A unit's value rows are unpacked into
+// pairs once for all query heads of the KV head, and the next unit's K and V rows are prefetched
+// while it computes: the pool is read from memory each step (the weights stream through the cache
+// in between), and without the prefetch the kernel waited on it for about half its time. 32
+// requests x 144 cached tokens, KV evicted before each step, Xeon with AMX (2 cores): SmolLM2's
+// shape (9 heads over 3 KV heads of 64, 30 layers) 12.3-12.8 -> 7.9-9.0 ms, the 0.5B Llama's (12
+// over 4 of 128, 16 layers) 14.1 -> 9.9-11.2 ms, i.e. 9 -> 13 GB/s of KV.
 using Bf16Row = const uint16_t*;
 
-// s[j] = q . key j for one query head over a block's keys (rows[j] + offset), Vec::size() at a time.
+// s[j] = q . key j (rows[j] + offset) for one query head over a block's keys, 16 at a time.
 template <int N>
 inline void pair_scores(const __m512bh* q, const Bf16Row* rows, int64_t offset, int64_t keys, float* s) {
   constexpr int64_t lanes = Vec::size();  // 16: the build is AVX512's
@@ -245,24 +260,83 @@ inline void pair_scores(const __m512bh* q, const Bf16Row* rows, int64_t offset, 
   }
 }
 
-// acc += sum_j p[j] * value row j, two rows at a time: their elements interleaved into bf16 pairs
-// meet (p[j], p[j+1]). acc's 2N registers hold the dims in that interleaved order (see
-// store_unpacked). p_pairs: p rounded to bf16, two per 32-bit word.
-template <int N>
-inline void add_value_pairs(float* acc, const Bf16Row* rows, int64_t offset, int64_t keys, const uint32_t* p_pairs) {
-  __m512 sum[2 * N];
-  for (int c = 0; c < 2 * N; ++c) sum[c] = _mm512_loadu_ps(acc + 16 * c);
-  for (int64_t j = 0; j < keys; j += 2) {
-    const Bf16Row row0 = rows[j] + offset, row1 = j + 1 < keys ? rows[j + 1] + offset : nullptr;
-    const __m512bh w = (__m512bh)_mm512_set1_epi32(p_pairs[j / 2]);
-    for (int c = 0; c < N; ++c) {
+// acc_g[C chunks] += sum_j p_g[j] * value row j for G heads g sharing the rows: two rows at a time,
+// their elements interleaved into bf16 pairs (once for all G heads) meet (p_g[j], p_g[j+1]). A
+// chunk is 32 dims, two registers of acc in the interleaved order store_unpacked undoes; p_g is
+// head g's probabilities rounded to bf16, two per 32-bit word, `p_stride` words after p_{g-1}.
+template <int C, int G>
+inline void add_value_chunks(float* acc, int64_t acc_stride, const Bf16Row* rows, int64_t offset, int64_t keys,
+                             const uint32_t* p, int64_t p_stride) {
+  __m512 sum[G][2 * C];
+  for (int g = 0; g < G; ++g) {
+    for (int r = 0; r < 2 * C; ++r) sum[g][r] = _mm512_loadu_ps(acc + g * acc_stride + 16 * r);
+  }
+  const auto add_pair = [&](const Bf16Row row0, const Bf16Row row1, int64_t word) {
+    __m512bh w[G];
+    for (int g = 0; g < G; ++g) w[g] = (__m512bh)_mm512_set1_epi32(p[g * p_stride + word]);
+    for (int c = 0; c < C; ++c) {
       const __m512i x0 = _mm512_loadu_si512(row0 + 32 * c);
       const __m512i x1 = row1 ? _mm512_loadu_si512(row1 + 32 * c) : _mm512_setzero_si512();
-      sum[2 * c] = _mm512_dpbf16_ps(sum[2 * c], (__m512bh)_mm512_unpacklo_epi16(x0, x1), w);
-      sum[2 * c + 1] = _mm512_dpbf16_ps(sum[2 * c + 1], (__m512bh)_mm512_unpackhi_epi16(x0, x1), w);
+      const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x0, x1), hi = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+      for (int g = 0; g < G; ++g) {
+        sum[g][2 * c] = _mm512_dpbf16_ps(sum[g][2 * c], lo, w[g]);
+        sum[g][2 * c + 1] = _mm512_dpbf16_ps(sum[g][2 * c + 1], hi, w[g]);
+      }
     }
+  };
+  int64_t j = 0;
+  for (; j + 1 < keys; j += 2) add_pair(rows[j] + offset, rows[j + 1] + offset, j / 2);
+  if (j < keys) add_pair(rows[j] + offset, nullptr, j / 2);
+  for (int g = 0; g < G; ++g) {
+    for (int r = 0; r < 2 * C; ++r) _mm512_storeu_ps(acc + g * acc_stride + 16 * r, sum[g][r]);
   }
-  for (int c = 0; c < 2 * N; ++c) _mm512_storeu_ps(acc + 16 * c, sum[c]);
+}
+
+// The same over all N chunks of a row, as many at once as 24 accumulator registers hold.
+template <int N, int G>
+inline void add_value_pairs(float* acc, int64_t acc_stride, const Bf16Row* rows, int64_t offset, int64_t keys,
+                            const uint32_t* p, int64_t p_stride) {
+  constexpr int C = 2 * G * N <= 24 ? N : (2 * G * 4 <= 24 ? 4 : (2 * G * 2 <= 24 ? 2 : 1));
+  for (int c0 = 0; c0 < N; c0 += C) {
+    add_value_chunks<C, G>(acc + 32 * c0, acc_stride, rows, offset + 32 * c0, keys, p, p_stride);
+  }
+}
+
+// A KV head's `group` query heads, up to three at a time (four as two and two).
+template <int N>
+inline void add_values_of_group(float* acc, const Bf16Row* rows, int64_t offset, int64_t keys, const uint32_t* p,
+                                int64_t p_stride, int64_t group) {
+  constexpr int64_t dim = 32 * N;
+  for (int64_t g = 0; g < group;) {
+    const int64_t left = group - g, take = left == 4 ? 2 : std::min<int64_t>(3, left);
+    float* a = acc + g * dim;
+    const uint32_t* pg = p + g * p_stride;
+    if (take == 3) add_value_pairs<N, 3>(a, dim, rows, offset, keys, pg, p_stride);
+    else if (take == 2) add_value_pairs<N, 2>(a, dim, rows, offset, keys, pg, p_stride);
+    else add_value_pairs<N, 1>(a, dim, rows, offset, keys, pg, p_stride);
+    g += take;
+  }
+}
+
+// s[0, n) *= scale, then soft-capped (HF's order) where cap > 0.
+inline void scale_scores(float* s, int64_t n, float scale, float cap) {
+  if (cap > 0.f) {
+    for (int64_t j = 0; j < n; ++j) s[j] = cap * std::tanh(s[j] * scale / cap);
+    return;
+  }
+  for (int64_t j = 0; j < n; j += Vec::size()) {
+    const int64_t count = std::min<int64_t>(Vec::size(), n - j);
+    (Vec::loadu(s + j, count) * Vec(scale)).store(s + j, count);
+  }
+}
+
+// p[w] = s[2w], s[2w+1] rounded to bf16, for the block's keys (zero past `keys`).
+inline void to_bf16_pairs(float* s, int64_t keys, uint32_t* p) {
+  std::fill(s + keys, s + kKeysPerBlock, 0.f);
+  for (int64_t j = 0; j < keys; j += 32) {
+    const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + j + 16), _mm512_loadu_ps(s + j));
+    _mm512_storeu_si512(p + j / 2, (__m512i)pair);
+  }
 }
 
 // dst = acc * inverse in dim order: register 2c lane i holds dim 32c + 8(i/4) + i%4, register
@@ -276,11 +350,30 @@ inline void store_unpacked(const float* acc, float inverse, at::BFloat16* dst) {
   }
 }
 
+// Ask for the lines of `bytes` at rows[j] + offset, for the rows of the next unit of work.
+// Start loading `bytes` of rows[j] + offset for the rows of the next unit of work, so that they
+// arrive while this one computes.
+inline void prefetch_rows(const Bf16Row* rows, int64_t count, int64_t offset, int64_t bytes) {
+  for (int64_t j = 0; j < count; ++j) {
+    const char* row = reinterpret_cast<const char*>(rows[j] + offset);
+    for (int64_t byte = 0; byte < bytes; byte += 64) _mm_prefetch(row + byte, _MM_HINT_T0);
+  }
+}
+
+// The same for the rows at slots[0, count) of a buffer.
+inline void prefetch_slots(const uint16_t* buffer, const int64_t* slots, int64_t count, int64_t row_stride,
+                           int64_t offset, int64_t bytes) {
+  for (int64_t j = 0; j < count; ++j) {
+    const char* row = reinterpret_cast<const char*>(buffer + slots[j] * row_stride + offset);
+    for (int64_t byte = 0; byte < bytes; byte += 64) _mm_prefetch(row + byte, _MM_HINT_T0);
+  }
+}
+
 template <int N>
 void decode_bf16_pairs(const at::Tensor& query, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                        const at::Tensor& kv_index, const at::Tensor& kv_len, at::Tensor& out, double scale,
                        double softcap, int64_t window) {
-  constexpr int64_t dim = 32 * N, half_block = kKeysPerBlock / 2;
+  constexpr int64_t dim = 32 * N, p_stride = kKeysPerBlock / 2;
   const int64_t batch = query.size(0), heads = query.size(1), kv_heads = k_buffer.size(1);
   const int64_t group = heads / kv_heads;
   const auto* q = reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>());
@@ -298,9 +391,9 @@ void decode_bf16_pairs(const at::Tensor& query, const at::Tensor& k_buffer, cons
   const int64_t item_kv_heads = kv_heads / splits, item_heads = item_kv_heads * group;
 
   at::parallel_for(0, batch * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(item_heads * dim), scores(kKeysPerBlock);
+    std::vector<float> acc(item_heads * dim), scores(group * kKeysPerBlock);
+    std::vector<uint32_t> p_pairs(group * p_stride);
     OnlineSoftmax softmax(item_heads);
-    std::vector<uint32_t> p_pairs(half_block);
     Bf16Row k_rows[kKeysPerBlock], v_rows[kKeysPerBlock];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / splits, first_kv_head = (item % splits) * item_kv_heads;
@@ -315,23 +408,42 @@ void decode_bf16_pairs(const at::Tensor& query, const at::Tensor& k_buffer, cons
           k_rows[j] = k + slots[j] * k_sn;
           v_rows[j] = v + slots[j] * v_sn;
         }
-        for (int64_t h = 0; h < item_heads; ++h) {
-          const int64_t kv_head = first_kv_head + h / group;
-          const uint16_t* q_row = q + b * q_sb + (first_kv_head * group + h) * q_sh;
-          __m512bh q_regs[N];
-          for (int c = 0; c < N; ++c) q_regs[c] = (__m512bh)_mm512_loadu_si512(q_row + 32 * c);
-          float* s = scores.data();
-          pair_scores<N>(q_regs, k_rows, kv_head * k_sh, keys, s);
-          for (int64_t j = 0; j < keys; ++j) {
-            s[j] *= q_scale;
-            if (cap > 0.f) s[j] = cap * std::tanh(s[j] / cap);  // HF's order: scale, then soft-cap
+        for (int64_t kh = 0; kh < item_kv_heads; ++kh) {
+          const int64_t kv_head = first_kv_head + kh;
+          // A unit of work is a block of keys for one KV head; the next is the block's next KV
+          // head, the item's next block, or the next item's first block.
+          if (kh + 1 < item_kv_heads) {
+            prefetch_rows(k_rows, keys, (kv_head + 1) * k_sh, 2 * dim);
+            prefetch_rows(v_rows, keys, (kv_head + 1) * v_sh, 2 * dim);
+          } else if (start + kKeysPerBlock < length) {
+            const int64_t next = std::min(kKeysPerBlock, length - start - kKeysPerBlock);
+            prefetch_slots(k, slots + kKeysPerBlock, next, k_sn, first_kv_head * k_sh, 2 * dim);
+            prefetch_slots(v, slots + kKeysPerBlock, next, v_sn, first_kv_head * v_sh, 2 * dim);
+          } else if (item + 1 < end) {
+            const int64_t next_b = (item + 1) / splits, next_head = ((item + 1) % splits) * item_kv_heads;
+            const int64_t next_first = first_key(lens[next_b], window);
+            const int64_t* next_slots = index + next_b * index_sb + next_first;
+            const int64_t next = std::min(kKeysPerBlock, lens[next_b] - next_first);
+            prefetch_slots(k, next_slots, next, k_sn, next_head * k_sh, 2 * dim);
+            prefetch_slots(v, next_slots, next, v_sn, next_head * v_sh, 2 * dim);
           }
-          const float rescale = softmax.absorb(h, s, keys);
-          for (int64_t d = 0; d < dim; ++d) acc[h * dim + d] *= rescale;
-          std::fill(s + keys, s + kKeysPerBlock, 0.f);
-          const __m512bh p = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + 16), _mm512_loadu_ps(s));
-          _mm512_storeu_si512(p_pairs.data(), (__m512i)p);
-          add_value_pairs<N>(acc.data() + h * dim, v_rows, kv_head * v_sh, keys, p_pairs.data());
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t h = kh * group + g;
+            const uint16_t* q_row = q + b * q_sb + (first_kv_head * group + h) * q_sh;
+            __m512bh q_regs[N];
+            for (int c = 0; c < N; ++c) q_regs[c] = (__m512bh)_mm512_loadu_si512(q_row + 32 * c);
+            float* s = scores.data() + g * kKeysPerBlock;
+            pair_scores<N>(q_regs, k_rows, kv_head * k_sh, keys, s);
+            scale_scores(s, keys, q_scale, cap);
+            const float rescale = softmax.absorb(h, s, keys);
+            if (rescale != 1.f) {
+              float* a = acc.data() + h * dim;
+              for (int64_t d = 0; d < dim; d += Vec::size()) (Vec::loadu(a + d) * Vec(rescale)).store(a + d);
+            }
+            to_bf16_pairs(s, keys, p_pairs.data() + g * p_stride);
+          }
+          add_values_of_group<N>(acc.data() + kh * group * dim, v_rows, kv_head * v_sh, keys, p_pairs.data(),
+                                 p_stride, group);
         }
       }
       for (int64_t h = 0; h < item_heads; ++h) {
@@ -341,7 +453,6 @@ void decode_bf16_pairs(const at::Tensor& query, const at::Tensor& k_buffer, cons
     }
   });
 }
-
 // The pair kernel serves bf16 with head_dim 32, 64, 128 or 256 (and equal K and V dims).
 bool decode_bf16_pairs_if_served(const at::Tensor& query, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                                  const at::Tensor& kv_index, const at::Tensor& kv_len, at::Tensor& out,

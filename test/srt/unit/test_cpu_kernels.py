@@ -44,6 +44,8 @@ CASES = {
     "one-request": (1, 6, 2, 48, 200, 0.0, -1),
     "head-dim-off-vector": (3, 4, 2, 40, 45, 0.0, -1),  # scores reduced one by one, scalar tails
     "wide-head": (2, 4, 2, 256, 33, 0.0, -1),  # bf16 pairs: eight registers a row, an odd last pair
+    # bf16 pairs: a KV head's seven query heads take their values three, three and one at a time
+    "seven-heads-a-kv-head": (5, 14, 2, 64, 131, 0.0, -1),
 }
 
 

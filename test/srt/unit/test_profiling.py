@@ -20,6 +20,9 @@ def test_ops_are_split_into_gemm_attention_and_other():
     assert split["gemm_ms"] > 0 and split["attention_ms"] > 0 and split["other_ops_ms"] > 0
     names = {e.name for e in profile.events()}
     assert "aten::mm" in names and "aten::_softmax" in names
+    top = split["top_ops"]  # the ops with the most self time, most first
+    assert "aten::mm" in top and list(top.values()) == sorted(top.values(), reverse=True)
+    assert sum(top.values()) <= split["gemm_ms"] + split["attention_ms"] + split["other_ops_ms"] + 1e-9
 
 
 def test_packed_linears_are_gemms_and_generated_kernels_other_ops():
