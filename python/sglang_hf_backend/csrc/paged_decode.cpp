@@ -350,7 +350,6 @@ inline void store_unpacked(const float* acc, float inverse, at::BFloat16* dst) {
   }
 }
 
-// Ask for the lines of `bytes` at rows[j] + offset, for the rows of the next unit of work.
 // Start loading `bytes` of rows[j] + offset for the rows of the next unit of work, so that they
 // arrive while this one computes.
 inline void prefetch_rows(const Bf16Row* rows, int64_t count, int64_t offset, int64_t bytes) {
