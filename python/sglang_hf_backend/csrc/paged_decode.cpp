@@ -350,18 +350,10 @@ inline void store_unpacked(const float* acc, float inverse, at::BFloat16* dst) {
   }
 }
 
-// Start loading `bytes` of rows[j] + offset for the rows of the next unit of work, so that they
-// arrive while this one computes.
-inline void prefetch_rows(const Bf16Row* rows, int64_t count, int64_t offset, int64_t bytes) {
-  for (int64_t j = 0; j < count; ++j) {
-    const char* row = reinterpret_cast<const char*>(rows[j] + offset);
-    for (int64_t byte = 0; byte < bytes; byte += 64) _mm_prefetch(row + byte, _MM_HINT_T0);
-  }
-}
-
-// The same for the rows at slots[0, count) of a buffer.
-inline void prefetch_slots(const uint16_t* buffer, const int64_t* slots, int64_t count, int64_t row_stride,
-                           int64_t offset, int64_t bytes) {
+// Start loading `bytes` from `offset` of the rows at slots[0, count) of a pool buffer, for the next
+// unit of work, so that they arrive while this one computes.
+inline void prefetch_rows(const uint16_t* buffer, const int64_t* slots, int64_t count, int64_t row_stride,
+                          int64_t offset, int64_t bytes) {
   for (int64_t j = 0; j < count; ++j) {
     const char* row = reinterpret_cast<const char*>(buffer + slots[j] * row_stride + offset);
     for (int64_t byte = 0; byte < bytes; byte += 64) _mm_prefetch(row + byte, _MM_HINT_T0);
@@ -412,19 +404,19 @@ void decode_bf16_pairs(const at::Tensor& query, const at::Tensor& k_buffer, cons
           // A unit of work is a block of keys for one KV head; the next is the block's next KV
           // head, the item's next block, or the next item's first block.
           if (kh + 1 < item_kv_heads) {
-            prefetch_rows(k_rows, keys, (kv_head + 1) * k_sh, 2 * dim);
-            prefetch_rows(v_rows, keys, (kv_head + 1) * v_sh, 2 * dim);
+            prefetch_rows(k, slots, keys, k_sn, (kv_head + 1) * k_sh, 2 * dim);
+            prefetch_rows(v, slots, keys, v_sn, (kv_head + 1) * v_sh, 2 * dim);
           } else if (start + kKeysPerBlock < length) {
             const int64_t next = std::min(kKeysPerBlock, length - start - kKeysPerBlock);
-            prefetch_slots(k, slots + kKeysPerBlock, next, k_sn, first_kv_head * k_sh, 2 * dim);
-            prefetch_slots(v, slots + kKeysPerBlock, next, v_sn, first_kv_head * v_sh, 2 * dim);
+            prefetch_rows(k, slots + kKeysPerBlock, next, k_sn, first_kv_head * k_sh, 2 * dim);
+            prefetch_rows(v, slots + kKeysPerBlock, next, v_sn, first_kv_head * v_sh, 2 * dim);
           } else if (item + 1 < end) {
             const int64_t next_b = (item + 1) / splits, next_head = ((item + 1) % splits) * item_kv_heads;
             const int64_t next_first = first_key(lens[next_b], window);
             const int64_t* next_slots = index + next_b * index_sb + next_first;
             const int64_t next = std::min(kKeysPerBlock, lens[next_b] - next_first);
-            prefetch_slots(k, next_slots, next, k_sn, next_head * k_sh, 2 * dim);
-            prefetch_slots(v, next_slots, next, v_sn, next_head * v_sh, 2 * dim);
+            prefetch_rows(k, next_slots, next, k_sn, next_head * k_sh, 2 * dim);
+            prefetch_rows(v, next_slots, next, v_sn, next_head * v_sh, 2 * dim);
           }
           for (int64_t g = 0; g < group; ++g) {
             const int64_t h = kh * group + g;
