@@ -15,14 +15,14 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import functools
 
 import sglang.srt.platforms  # noqa: F401  (resolves the platform plugins before ours is imported)
 import torch
 import torch.nn.functional as F
 
 from sglang_hf_backend import cpu_kernels
+from sglang_hf_backend.benchmark.interleaved import median_seconds
 
 # name: (query heads, KV heads, head_dim, layers)
 SHAPES = {"smollm2": (9, 3, 64, 30), "llama-0.5b": (12, 4, 128, 16)}
@@ -49,6 +49,11 @@ def sdpa_over_gathered(query, k_buffer, v_buffer, index, scale):
     )[:, :, 0]
 
 
+def _all_layers(attend, pools) -> None:
+    for k, v in pools:
+        attend(k, v)
+
+
 def bench_shape(
     name: str, batch: int, cached: int, dtype: torch.dtype, rounds: int, evict: torch.Tensor
 ) -> None:
@@ -71,20 +76,13 @@ def bench_shape(
         "kernel": lambda k, v: kernel(query, k, v, index, lengths, scale, 0.0, -1),
         "sdpa": lambda k, v: sdpa_over_gathered(query, k, v, index, scale),
     }
-    times: dict[str, list[float]] = {impl: [] for impl in impls}
-    for step in range(rounds + 1):  # the first round warms up
-        for impl, attend in impls.items():
-            evict.fill_(step)
-            started = time.perf_counter()
-            for k, v in pools:
-                attend(k, v)
-            if step:
-                times[impl].append(time.perf_counter() - started)
+    medians = median_seconds(
+        {impl: functools.partial(_all_layers, attend, pools) for impl, attend in impls.items()},
+        rounds,
+        before_each=evict.fill_,
+    )
     kv_mb = 2 * layers * batch * cached * kv_heads * dim * query.element_size() / 1e6
-    cells = []
-    for impl, samples in times.items():
-        ms = statistics.median(samples) * 1000
-        cells.append(f"{impl} {ms:.2f} ms ({kv_mb / ms:.1f} GB/s)")
+    cells = [f"{impl} {s * 1000:.2f} ms ({kv_mb / (s * 1000):.1f} GB/s)" for impl, s in medians.items()]
     print(
         f"{name} ({heads}/{kv_heads} heads of {dim}, {layers} layers, {kv_mb:.0f} MB of KV): "
         + "; ".join(cells)

@@ -11,7 +11,9 @@ a scheduler that needs the kernels earlier waits on the build's lock and loads w
 ``paged_decode_attention`` (``csrc/paged_decode.cpp``): decode attention reading the paged KV
 pool in place; ``SGLANG_HF_BACKEND_DECODE_KERNEL=0`` keeps torch's SDPA over gathered K/V (for
 comparisons). ``one_token_linear`` (``csrc/one_token_linear.cpp``): fp32 linears of one token,
-used where weights are packed for fp32 (``cpu_linear``). Where the build fails (no C++
+used where weights are packed for fp32 (``cpu_linear``). ``amx_packed_linear``
+(``csrc/amx_linear.cpp``): bf16 linears of up to 32 tokens on oneDNN's packed weights, on CPUs
+with AMX (``cpu_linear``). Where the build fails (no C++
 compiler), the backend says so, attends with SDPA and multiplies with oneDNN.
 """
 
@@ -32,7 +34,10 @@ from sglang_hf_backend.args import switched_on
 logger = logging.getLogger("sglang_hf_backend")
 
 DECODE_KERNEL_ENV = "SGLANG_HF_BACKEND_DECODE_KERNEL"
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "one_token_linear.cpp")]
+SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in ("paged_decode.cpp", "one_token_linear.cpp", "amx_linear.cpp")
+]
 
 
 def decode_kernel_wanted() -> bool:

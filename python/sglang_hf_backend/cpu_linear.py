@@ -15,7 +15,12 @@ linears of a step: 45 -> 27.5 ms at 1 token, 178 -> 107 ms at 32; prefill sizes 
 packed fp32 is used at every size, except one token (batch-1 decode), which our C++ kernel
 (``csrc/one_token_linear.cpp``) multiplies on the plain weight where the kernels built: 0.7-0.8x
 oneDNN's time there. An explicit ``dtype="float32"``, what exact comparisons ask for, keeps
-torch's product.
+torch's product. bf16 products of up to 32 tokens on CPUs with AMX go through our C++ kernel
+(``csrc/amx_linear.cpp``) on oneDNN's packed tensor itself: bit-identical, and it streams the
+weight faster than oneDNN at these sizes (``scripts/bench_linears.py``, SmolLM2's 120 layer
+linears on a 2-core Xeon: 15.9 -> 11.1 ms at one token, 20.9 -> 15.4 ms at 32); larger products
+stay with oneDNN, which splits their sums differently. ``SGLANG_HF_BACKEND_AMX_LINEAR=0`` leaves
+them all to oneDNN (for comparisons).
 
 The layers keep their plain weight (weight reloads, LoRA and load reports read it) and hold a
 handle into ``_PACKED``: an mkldnn tensor cannot be an input of a compiled graph, whose cache
@@ -39,7 +44,10 @@ from sglang_hf_backend.diagnostics import decision
 from sglang_hf_backend.platform import fp32_served_for_speed
 
 PACKED_WEIGHTS_ENV = "SGLANG_HF_BACKEND_PACKED_WEIGHTS"
+AMX_LINEAR_ENV = "SGLANG_HF_BACKEND_AMX_LINEAR"
 _PACKED: list[torch.Tensor] = []  # handle -> packed weight
+_AMX_HANDLES: set[int] = set()  # handles whose products of few tokens our AMX kernel computes
+_AMX_MAX_TOKENS = 32
 _TOKENS_HINT = 32  # the batch size oneDNN packs for
 # Above this many tokens (prefill) the plain bf16 product is as fast or faster (SmolLM2's four
 # linears: 0.31 vs 0.50 ms at 64 tokens, 0.94 vs 1.12 at 256, 1.97 vs 1.80 at 512). Packed fp32
@@ -52,6 +60,8 @@ def _linear(
 ) -> torch.Tensor:
     if x.dtype != torch.float32 and x.numel() > _PACKED_MAX_TOKENS * x.shape[-1]:
         return F.linear(x, weight, bias)
+    if x.numel() <= _AMX_MAX_TOKENS * x.shape[-1] and int(handle) in _AMX_HANDLES:
+        return torch.ops.sglang_hf_backend_kernels.amx_packed_linear(x, weight, _PACKED[int(handle)], bias)
     if x.dtype == torch.float32 and x.numel() == x.shape[-1] and _one_token_kernel_built():
         return torch.ops.sglang_hf_backend_kernels.one_token_linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, _PACKED[int(handle)], bias, "none", [], "")
@@ -87,6 +97,10 @@ class PackedWeights:
             _PACKED.append(packed)
         else:  # reloaded weights: same handle, so compiled graphs stay valid
             _PACKED[int(layer.packed_handle)] = packed
+        if amx_kernel_multiplies(layer.weight.dtype) and _amx_kernel_reads(layer.weight, packed):
+            _AMX_HANDLES.add(int(layer.packed_handle))
+        else:
+            _AMX_HANDLES.discard(int(layer.packed_handle))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -142,6 +156,53 @@ def should_pack(dtype: torch.dtype) -> bool:
         else "differs from torch's matmul; weights stay unpacked",
     )
     return identical
+
+
+@functools.cache
+def amx_kernel_multiplies(dtype: torch.dtype) -> bool:
+    """Does our AMX kernel multiply ``dtype`` products of few tokens here? bf16 where oneDNN packs
+    it, the kernels built with AMX and the kernel's product equals torch's bit for bit (which also
+    checks that oneDNN packs weights in the layout the kernel reads); decided and logged once per
+    process."""
+    if dtype != torch.bfloat16 or not onednn_supports(dtype):
+        return False
+    if not switched_on(AMX_LINEAR_ENV, "multiply few tokens with the AMX kernel"):
+        return False
+    why_not = cpu_kernels.load()
+    if why_not is None:
+        why_not = _amx_product_differs()
+    decision(
+        "bfloat16 linears of up to %d tokens: %s",
+        _AMX_MAX_TOKENS,
+        f"oneDNN's product ({why_not})"
+        if why_not
+        else "our AMX kernel multiplies oneDNN's packed weights (bit-identical to torch's matmul, faster to stream)",
+    )
+    return why_not is None
+
+
+def _amx_product_differs() -> str | None:
+    """Why the AMX kernel's product is not torch's (a 2048 x 1024 weight, 1, 17 and 32 tokens)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(2048, 1024, generator=generator).to(torch.bfloat16)
+    bias = torch.randn(2048, generator=generator).to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, _TOKENS_HINT)
+    for tokens in (1, 17, 32):
+        x = torch.randn(tokens, 1024, generator=generator).to(torch.bfloat16)
+        try:
+            product = torch.ops.sglang_hf_backend_kernels.amx_packed_linear(x, weight, packed, bias)
+        except RuntimeError as error:
+            return str(error).splitlines()[0]
+        if not torch.equal(product, F.linear(x, weight, bias)):
+            return f"the AMX kernel's product differs from torch's at {tokens} tokens"
+    return None
+
+
+def _amx_kernel_reads(weight: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Does oneDNN's packed copy have the unpadded layout the kernel reads (sizes multiples of 32)?"""
+    out_features, in_features = weight.shape
+    unpadded = torch.ops.mkldnn._nbytes(packed) == weight.numel() * weight.element_size()
+    return out_features % 32 == 0 and in_features % 32 == 0 and unpadded
 
 
 def onednn_supports(dtype: torch.dtype) -> bool:

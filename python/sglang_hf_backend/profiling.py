@@ -38,6 +38,7 @@ GEMM_OPS = {
     "aten::_weight_int8pack_mm",
     "mkldnn::_linear_pointwise",  # prepacked linears (cpu_linear.py)
     "sglang_hf_backend_kernels::one_token_linear",  # their one-token fp32 product
+    "sglang_hf_backend_kernels::amx_packed_linear",  # their bf16 product of few tokens (AMX)
 }
 # With TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1 a compiled step's generated kernels are
 # recorded under names like ``graph_0_cpp_fused_add_mul_0``, or ``cpp_fused_add_mul_0`` inside

@@ -3,4 +3,6 @@
 ``presets.py`` says what runs (models, workloads, engine settings), ``workers.py`` measures
 one implementation in a fresh process, ``report.py`` turns interleaved rounds into
 medians, ratios, a markdown table and a chart. ``scripts/bench.py`` is the command line.
+``interleaved.py`` times implementations side by side in one process for the kernel scripts
+(``scripts/bench_decode_kernel.py``, ``scripts/bench_linears.py``).
 """

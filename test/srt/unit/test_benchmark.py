@@ -1,4 +1,5 @@
-"""Benchmark plumbing: implementation specs, and ratios to native and to HF's faster dtype."""
+"""Benchmark plumbing: implementation specs, ratios to native and to HF's faster dtype, and the
+kernel scripts' interleaved timing."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from sglang_hf_backend.benchmark import report
+from sglang_hf_backend.benchmark.interleaved import median_seconds
 from sglang_hf_backend.benchmark.presets import PRESETS, split_impl
 from sglang_hf_backend.benchmark.workers import impl_env
 
@@ -66,3 +68,14 @@ def test_report_names_dtypes_and_gives_ratios_to_native_and_the_faster_hf():
     assert "50.0 [50.0-50.0] (0.50x, 0.62x hf)" in step  # the faster HF step is 80 ms
     assert "400.0 [400.0-400.0] (2.00x, 1.33x hf)" in throughput  # the faster HF makes 300 tok/s
     assert "(1.25x)" in step  # HF columns get no ratio to HF
+
+
+def test_interleaved_timing_warms_up_alternates_and_takes_medians():
+    calls = []
+    medians = median_seconds(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+        rounds=3,
+        before_each=lambda round_: calls.append(round_),
+    )
+    assert calls == [0, "a", 0, "b", 1, "a", 1, "b", 2, "a", 2, "b", 3, "a", 3, "b"]
+    assert set(medians) == {"a", "b"} and all(0 <= seconds < 0.1 for seconds in medians.values())

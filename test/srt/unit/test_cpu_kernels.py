@@ -1,5 +1,5 @@
-"""Our C++ kernels against torch: paged decode attention on scattered pool slots, and the
-one-token fp32 linear."""
+"""Our C++ kernels against torch: paged decode attention on scattered pool slots, the
+one-token fp32 linear, and the AMX bf16 linear on oneDNN's packed weights."""
 
 from __future__ import annotations
 
@@ -101,6 +101,49 @@ def test_one_token_linear_refuses_more_tokens(kernels):
         kernels.one_token_linear(torch.randn(2, 8), torch.randn(4, 8), None)
     with pytest.raises(RuntimeError, match="float32"):
         kernels.one_token_linear(torch.randn(1, 8).bfloat16(), torch.randn(4, 8).bfloat16(), None)
+
+
+# The AMX kernel builds where the CPU has AMX tiles with bf16 (-march=native); elsewhere it refuses.
+HAS_AMX = torch.cpu._is_amx_tile_supported() and torch.cpu._is_avx512_bf16_supported()
+
+
+def amx_product(kernels, x, weight, bias=None):
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+    return kernels.amx_packed_linear(x, weight, packed, bias)
+
+
+@pytest.mark.parametrize(
+    "shape, out_features, bias",
+    [((1, 576), 960, True), ((17, 1536), 576, False), ((32, 896), 4864, True), ((2, 3, 64), 96, False)],
+    ids=["one-token-bias", "17-tokens", "32-tokens-wide", "3d"],
+)
+def test_amx_linear_equals_torch_matmul_bit_for_bit(kernels, shape, out_features, bias):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=generator).to(torch.bfloat16)
+    weight = torch.randn(out_features, shape[-1], generator=generator).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=generator).to(torch.bfloat16) if bias else None
+    if not HAS_AMX:
+        with pytest.raises(RuntimeError, match="without AMX-BF16"):
+            amx_product(kernels, x, weight, b)
+        return
+    out = amx_product(kernels, x, weight, b)
+    assert out.shape == (*shape[:-1], out_features)
+    assert torch.equal(out, torch.nn.functional.linear(x, weight, b))
+
+
+def test_amx_linear_refuses_what_it_does_not_multiply(kernels):
+    weight = torch.randn(64, 64).to(torch.bfloat16)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    calls = {
+        "1 to 32 tokens, got 33": lambda: amx_product(
+            kernels, torch.randn(33, 64).to(torch.bfloat16), weight
+        ),
+        "multiples of 32": lambda: amx_product(kernels, x, weight[:48]),
+        "packed weight": lambda: kernels.amx_packed_linear(x, weight, weight, None),
+    }
+    for message, call in calls.items():
+        with pytest.raises(RuntimeError, match=message if HAS_AMX else "without AMX-BF16"):
+            call()
 
 
 def test_switch_is_checked(monkeypatch):

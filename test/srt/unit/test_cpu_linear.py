@@ -16,6 +16,15 @@ from sglang_hf_backend import cpu_linear, platform
 DTYPE = torch.bfloat16 if cpu_linear.onednn_supports(torch.bfloat16) else torch.float32
 
 
+@pytest.fixture(autouse=True)
+def rank_zero():
+    """Packing logs its decisions as rank 0's; no engine publishes a rank here."""
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(tp_rank=0):
+        yield
+
+
 def assert_same_product(actual: torch.Tensor, expected: torch.Tensor) -> None:
     if DTYPE == torch.bfloat16:
         assert torch.equal(actual, expected)
@@ -86,10 +95,7 @@ def test_fp32_stays_unpacked_and_the_setting_is_checked(monkeypatch):
     assert not cpu_linear.should_pack(torch.float32)
     # bf16 is packed exactly where oneDNN computes it (AVX512/AMX): no timing decides it (a
     # threshold on timings flipped when a start measured while the C++ kernels were building).
-    from sglang.srt.runtime_context import get_parallel
-
-    with get_parallel().override(tp_rank=0):  # the decision is logged as rank 0's; no engine here
-        assert cpu_linear.should_pack(torch.bfloat16) == (DTYPE == torch.bfloat16)
+    assert cpu_linear.should_pack(torch.bfloat16) == (DTYPE == torch.bfloat16)
     assert not cpu_linear.wanted("cpu", quantized=True)
     monkeypatch.setenv(cpu_linear.PACKED_WEIGHTS_ENV, "0")
     assert not cpu_linear.wanted("cpu", quantized=False)
@@ -99,12 +105,30 @@ def test_fp32_stays_unpacked_and_the_setting_is_checked(monkeypatch):
 
 
 def test_fp32_is_packed_only_where_dtype_auto_chose_it(monkeypatch):
-    from sglang.srt.runtime_context import get_parallel
-
     assert torch.get_default_dtype() == torch.float32
     monkeypatch.delenv(platform.FP32_FOR_SPEED_ENV, raising=False)
     assert not cpu_linear.wanted("cpu", quantized=False)  # an explicit fp32: torch's matmul
     monkeypatch.setenv(platform.FP32_FOR_SPEED_ENV, "1")
-    with get_parallel().override(tp_rank=0):
-        assert cpu_linear.wanted("cpu", quantized=False)
+    assert cpu_linear.wanted("cpu", quantized=False)
     assert not cpu_linear.wanted("cpu", quantized=True)
+
+
+def test_few_tokens_take_the_amx_kernel_where_it_multiplies(monkeypatch):
+    """bf16 weights with sizes that are multiples of 32 go to the AMX kernel on CPUs with AMX;
+    others (and every weight with the switch off) stay with oneDNN: the same numbers either way."""
+    amx_here = cpu_linear.amx_kernel_multiplies(torch.bfloat16)
+    assert amx_here == (DTYPE == torch.bfloat16 and torch.cpu._is_amx_tile_supported())
+    routed, method = packed_layer(out_features=96)
+    odd, _ = packed_layer(out_features=100)
+    assert (int(routed.packed_handle) in cpu_linear._AMX_HANDLES) == amx_here
+    assert int(odd.packed_handle) not in cpu_linear._AMX_HANDLES
+    for layer in (routed, odd):
+        x = torch.randn(5, 64).to(DTYPE)
+        assert_same_product(method.apply(layer, x, layer.bias), F.linear(x, layer.weight, layer.bias))
+    assert not cpu_linear.amx_kernel_multiplies(torch.float32)
+    monkeypatch.setenv(cpu_linear.AMX_LINEAR_ENV, "0")
+    cpu_linear.amx_kernel_multiplies.cache_clear()
+    try:
+        assert not cpu_linear.amx_kernel_multiplies(torch.bfloat16)
+    finally:
+        cpu_linear.amx_kernel_multiplies.cache_clear()
