@@ -18,7 +18,7 @@ oneDNN's time there. An explicit ``dtype="float32"``, what exact comparisons ask
 torch's product. bf16 products of up to 32 tokens on CPUs with AMX go through our C++ kernel
 (``csrc/amx_linear.cpp``) on oneDNN's packed tensor itself: bit-identical, and it streams the
 weight faster than oneDNN at these sizes (``scripts/bench_linears.py``, SmolLM2's 120 layer
-linears on a 2-core Xeon: 15.9 -> 11.1 ms at one token, 20.9 -> 15.4 ms at 32); larger products
+linears on a 2-core Xeon: 14.1 -> 10.0 ms at one token, 17.6 -> 12.9 ms at 32); larger products
 stay with oneDNN, which splits their sums differently. ``SGLANG_HF_BACKEND_AMX_LINEAR=0`` leaves
 them all to oneDNN (for comparisons).
 

@@ -114,8 +114,14 @@ def amx_product(kernels, x, weight, bias=None):
 
 @pytest.mark.parametrize(
     "shape, out_features, bias",
-    [((1, 576), 960, True), ((17, 1536), 576, False), ((32, 896), 4864, True), ((2, 3, 64), 96, False)],
-    ids=["one-token-bias", "17-tokens", "32-tokens-wide", "3d"],
+    [
+        ((1, 576), 960, True),
+        ((17, 1536), 576, False),
+        ((32, 896), 4864, True),
+        ((2, 3, 64), 96, False),
+        ((0, 64), 32, True),
+    ],
+    ids=["one-token-bias", "17-tokens", "32-tokens-wide", "3d", "no-tokens"],
 )
 def test_amx_linear_equals_torch_matmul_bit_for_bit(kernels, shape, out_features, bias):
     generator = torch.Generator().manual_seed(0)
@@ -135,7 +141,7 @@ def test_amx_linear_refuses_what_it_does_not_multiply(kernels):
     weight = torch.randn(64, 64).to(torch.bfloat16)
     x = torch.randn(2, 64).to(torch.bfloat16)
     calls = {
-        "1 to 32 tokens, got 33": lambda: amx_product(
+        "up to 32 tokens, got 33": lambda: amx_product(
             kernels, torch.randn(33, 64).to(torch.bfloat16), weight
         ),
         "multiples of 32": lambda: amx_product(kernels, x, weight[:48]),
