@@ -199,10 +199,9 @@ def _amx_product_differs() -> str | None:
 
 
 def _amx_kernel_reads(weight: torch.Tensor, packed: torch.Tensor) -> bool:
-    """Does oneDNN's packed copy have the unpadded layout the kernel reads (sizes multiples of 32)?"""
-    out_features, in_features = weight.shape
-    unpadded = torch.ops.mkldnn._nbytes(packed) == weight.numel() * weight.element_size()
-    return out_features % 32 == 0 and in_features % 32 == 0 and unpadded
+    """Does oneDNN's packed copy have the layout the kernel reads (sizes multiples of 32, unpadded,
+    32-column blocks)? oneDNN picks its blocking per CPU and shape, so every weight is checked."""
+    return torch.ops.sglang_hf_backend_kernels.amx_layout_matches(weight, packed)
 
 
 def onednn_supports(dtype: torch.dtype) -> bool:

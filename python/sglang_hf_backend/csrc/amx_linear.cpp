@@ -12,7 +12,7 @@
 // first or second half. A and C hold the tokens' rows (two tiles of up to 16 rows). Sums run
 // in oneDNN's order (one tile chain over all of k), so outputs are bit-identical to oneDNN's and
 // torch's bf16 matmul at these sizes; `cpu_linear` checks that once per process before using it,
-// and checks the weight's packed size (a padded layout is left to oneDNN).
+// and each weight's packed layout (`amx_layout_matches`; a padded or other layout is left to oneDNN).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -185,9 +185,42 @@ at::Tensor amx_packed_linear(const at::Tensor& x, const at::Tensor& weight, cons
 #endif
 }
 
+// Does `packed` hold `weight` in the layout the kernel reads? oneDNN chooses its blocking per
+// CPU and shape, so each weight is checked where a different blocking would show: every value of
+// the first, middle and last column blocks, and the first inner block of every column block.
+bool amx_layout_matches(const at::Tensor& weight, const at::Tensor& packed) {
+  if (!packed.is_mkldnn() || weight.dim() != 2 || weight.scalar_type() != at::kBFloat16) return false;
+  const int64_t n = weight.size(0), k = weight.size(1);
+  if (n % kColumns || k % kDepth || packed_bytes(packed) != n * k * 2) return false;
+  const auto plain = weight.contiguous();
+  const auto* w = reinterpret_cast<const uint16_t*>(plain.data_ptr<at::BFloat16>());
+  const auto* p = static_cast<const uint16_t*>(packed_data(packed));
+  // Value (row r, column c) of inner block `depth_block` of column block `column_block`.
+  const auto matches = [&](int64_t column_block, int64_t depth_block) {
+    const uint16_t* block = p + (column_block * (k / kDepth) + depth_block) * kBlockValues;
+    for (int64_t pair = 0; pair < kDepth / 2; ++pair)
+      for (int64_t column = 0; column < kColumns; ++column)
+        for (int64_t half = 0; half < 2; ++half) {
+          const int64_t row = column_block * kColumns + column, inner = depth_block * kDepth + 2 * pair + half;
+          if (block[(pair * kColumns + column) * 2 + half] != w[row * k + inner]) return false;
+        }
+    return true;
+  };
+  const int64_t column_blocks = n / kColumns;
+  for (const int64_t column_block : {int64_t{0}, column_blocks / 2, column_blocks - 1})
+    for (int64_t depth_block = 0; depth_block < k / kDepth; ++depth_block)
+      if (!matches(column_block, depth_block)) return false;
+  for (int64_t column_block = 0; column_block < column_blocks; ++column_block)
+    if (!matches(column_block, 0)) return false;
+  return true;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(sglang_hf_backend_kernels, m) {
+  m.def("amx_layout_matches(Tensor weight, Tensor packed) -> bool");
+  m.impl("amx_layout_matches", c10::DispatchKey::MkldnnCPU, &amx_layout_matches);
+  m.impl("amx_layout_matches", c10::DispatchKey::CPU, &amx_layout_matches);
   m.def("amx_packed_linear(Tensor x, Tensor weight, Tensor packed, Tensor? bias) -> Tensor");
   // The packed weight is an mkldnn tensor, so calls dispatch on MkldnnCPU (CPU: to refuse a plain one).
   m.impl("amx_packed_linear", c10::DispatchKey::MkldnnCPU, &amx_packed_linear);

@@ -103,13 +103,14 @@ def test_one_token_linear_refuses_more_tokens(kernels):
         kernels.one_token_linear(torch.randn(1, 8).bfloat16(), torch.randn(4, 8).bfloat16(), None)
 
 
-# The AMX kernel builds where the CPU has AMX tiles with bf16 (-march=native); elsewhere it refuses.
+# The AMX kernel builds where the CPU has AMX tiles with bf16 (-march=native); elsewhere it refuses,
+# and on AVX2-only CPUs oneDNN cannot pack bf16 at all, so an fp32 mkldnn tensor stands in there.
 HAS_AMX = torch.cpu._is_amx_tile_supported() and torch.cpu._is_avx512_bf16_supported()
+NO_AMX = "without AMX-BF16"
 
 
-def amx_product(kernels, x, weight, bias=None):
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
-    return kernels.amx_packed_linear(x, weight, packed, bias)
+def packed(weight):
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 32) if HAS_AMX else weight.float().to_mkldnn()
 
 
 @pytest.mark.parametrize(
@@ -129,26 +130,35 @@ def test_amx_linear_equals_torch_matmul_bit_for_bit(kernels, shape, out_features
     weight = torch.randn(out_features, shape[-1], generator=generator).to(torch.bfloat16)
     b = torch.randn(out_features, generator=generator).to(torch.bfloat16) if bias else None
     if not HAS_AMX:
-        with pytest.raises(RuntimeError, match="without AMX-BF16"):
-            amx_product(kernels, x, weight, b)
+        with pytest.raises(RuntimeError, match=NO_AMX):
+            kernels.amx_packed_linear(x, weight, packed(weight), b)
         return
-    out = amx_product(kernels, x, weight, b)
+    out = kernels.amx_packed_linear(x, weight, packed(weight), b)
     assert out.shape == (*shape[:-1], out_features)
     assert torch.equal(out, torch.nn.functional.linear(x, weight, b))
+
+
+def test_amx_layout_check_tells_the_blocked_layout_from_others(kernels):
+    weight = torch.randn(96, 64).to(torch.bfloat16)
+    odd = torch.randn(100, 64).to(torch.bfloat16)
+    assert kernels.amx_layout_matches(weight, packed(weight)) == HAS_AMX
+    assert not kernels.amx_layout_matches(weight, packed(torch.randn(96, 64).to(torch.bfloat16)))
+    assert not kernels.amx_layout_matches(odd, packed(odd))
+    assert not kernels.amx_layout_matches(weight, weight)
 
 
 def test_amx_linear_refuses_what_it_does_not_multiply(kernels):
     weight = torch.randn(64, 64).to(torch.bfloat16)
     x = torch.randn(2, 64).to(torch.bfloat16)
     calls = {
-        "up to 32 tokens, got 33": lambda: amx_product(
-            kernels, torch.randn(33, 64).to(torch.bfloat16), weight
+        "up to 32 tokens, got 33": lambda: kernels.amx_packed_linear(
+            torch.randn(33, 64).to(torch.bfloat16), weight, packed(weight), None
         ),
-        "multiples of 32": lambda: amx_product(kernels, x, weight[:48]),
+        "multiples of 32": lambda: kernels.amx_packed_linear(x, weight[:48], packed(weight[:48]), None),
         "packed weight": lambda: kernels.amx_packed_linear(x, weight, weight, None),
     }
     for message, call in calls.items():
-        with pytest.raises(RuntimeError, match=message if HAS_AMX else "without AMX-BF16"):
+        with pytest.raises(RuntimeError, match=message if HAS_AMX else NO_AMX):
             call()
 
 
