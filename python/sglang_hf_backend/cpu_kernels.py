@@ -6,6 +6,8 @@ a hash of this CPU's feature flags, so a cache shared between machines never han
 built for another; later starts load the cached library in well under a second. The launcher
 process starts the build in the background (``build_in_background``) while SGLang spawns its
 schedulers and they import (SmolLM2's first start: the 9 s build no longer delays serving);
+the sources include only the ATen headers they use (``ATen/ATen.h`` costs ~2 s a file: the
+three built in 15.8 s with it, 11.2 s without, on a 2-core Xeon);
 a scheduler that needs the kernels earlier waits on the build's lock and loads what it built.
 
 ``paged_decode_attention`` (``csrc/paged_decode.cpp``): decode attention reading the paged KV

@@ -14,7 +14,8 @@
 // torch's bf16 matmul at these sizes; `cpu_linear` checks that once per process before using it,
 // and each weight's packed layout (`amx_layout_matches`; a padded or other layout is left to oneDNN).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
