@@ -99,3 +99,88 @@ def test_grouped_matmul_decode_matches_sdpa(dtype):
 def test_matmul_decode_only_for_half_precision_without_amx(monkeypatch, dtype, amx, expected):
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     assert matmul_decode_pays(dtype) is expected
+
+
+def prefill_backend(lengths: list[int], dtype: torch.dtype = torch.float32):
+    """The backend over a real one-layer KV pool, laid out for a prefill of ``lengths`` (no
+    cached prefixes), and a layer of 4 query heads over 2 KV heads of 8."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.radix_attention import AttentionType
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.runtime_context import get_parallel
+
+    from sglang_hf_backend.cpu_attention import CpuSdpaAttnBackend
+
+    pool = MHATokenToKVPool(
+        64, 1, dtype, head_num=2, head_dim=8, layer_num=1, device="cpu", enable_memory_saver=False
+    )
+    req_to_token = torch.zeros(len(lengths), 32, dtype=torch.int32)
+    slots = iter(range(1, 64))
+    for row, length in enumerate(lengths):
+        req_to_token[row, :length] = torch.tensor([next(slots) for _ in range(length)])
+    runner = SimpleNamespace(
+        req_to_token_pool=SimpleNamespace(req_to_token=req_to_token), token_to_kv_pool=pool, dtype=dtype
+    )
+    with get_parallel().override(tp_rank=0):
+        backend = CpuSdpaAttnBackend(runner, "cpu_sdpa")
+    lens = torch.tensor(lengths)
+    backend.init_forward_metadata(
+        SimpleNamespace(
+            forward_mode=ForwardMode.EXTEND,
+            encoder_lens=None,
+            seq_lens=lens,
+            req_pool_indices=torch.arange(len(lengths)),
+            extend_seq_lens=lens,
+            extend_prefix_lens=torch.zeros_like(lens),
+            out_cache_loc=torch.cat([req_to_token[row, :n] for row, n in enumerate(lengths)]).long(),
+        )
+    )
+    layer = SimpleNamespace(
+        layer_id=0,
+        tp_q_head_num=4,
+        tp_k_head_num=2,
+        tp_v_head_num=2,
+        qk_head_dim=8,
+        v_head_dim=8,
+        scaling=0.3,
+        logit_cap=0.0,
+        sliding_window_size=-1,
+        attn_type=AttentionType.DECODER,
+        is_cross_attention=False,
+    )
+    return backend, layer
+
+
+@pytest.mark.parametrize("lengths", [[5, 5, 5], [5, 3, 4]])
+def test_fresh_prefill_attends_to_its_own_kv_as_the_pool_holds_it(lengths):
+    """Equal-length prefills without cached prefixes take this forward's K/V as they are (no
+    padding, no gather from the pool); either way each request's output is causal attention
+    over its own tokens."""
+    backend, layer = prefill_backend(lengths)
+    generator = torch.Generator().manual_seed(0)
+    tokens = sum(lengths)
+    q = torch.randn(tokens, 4, 8, generator=generator)
+    k, v = torch.randn(2, tokens, 2, 8, generator=generator)
+    out = backend.attend_layer(q, k, v, layer)
+    gathered = backend._attend_cached(q, layer)  # the same from the pool's copies
+    equal = len(set(lengths)) == 1
+    assert (backend.forward_metadata.q_rows is None) == equal
+    assert backend._new_are_all(backend.forward_metadata, (k, v)) == equal
+    torch.testing.assert_close(out, gathered, rtol=1e-6, atol=1e-6)
+    first = 0
+    for length in lengths:
+        rows = slice(first, first + length)
+        expected = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1),
+            k[rows].transpose(0, 1),
+            v[rows].transpose(0, 1),
+            is_causal=True,
+            scale=0.3,
+            enable_gqa=True,
+        )
+        torch.testing.assert_close(
+            out[rows], expected.transpose(0, 1).reshape(length, 32), rtol=1e-5, atol=1e-5
+        )
+        first += length
