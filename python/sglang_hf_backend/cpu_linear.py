@@ -60,11 +60,12 @@ def _linear(
 ) -> torch.Tensor:
     if x.dtype != torch.float32 and x.numel() > _PACKED_MAX_TOKENS * x.shape[-1]:
         return F.linear(x, weight, bias)
-    if x.numel() <= _AMX_MAX_TOKENS * x.shape[-1] and int(handle) in _AMX_HANDLES:
-        return torch.ops.sglang_hf_backend_kernels.amx_packed_linear(x, weight, _PACKED[int(handle)], bias)
+    index = int(handle)
+    if x.numel() <= _AMX_MAX_TOKENS * x.shape[-1] and index in _AMX_HANDLES:
+        return torch.ops.sglang_hf_backend_kernels.amx_packed_linear(x, weight, _PACKED[index], bias)
     if x.dtype == torch.float32 and x.numel() == x.shape[-1] and _one_token_kernel_built():
         return torch.ops.sglang_hf_backend_kernels.one_token_linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, _PACKED[int(handle)], bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, _PACKED[index], bias, "none", [], "")
 
 
 @functools.cache
@@ -97,7 +98,10 @@ class PackedWeights:
             _PACKED.append(packed)
         else:  # reloaded weights: same handle, so compiled graphs stay valid
             _PACKED[int(layer.packed_handle)] = packed
-        if amx_kernel_multiplies(layer.weight.dtype) and _amx_kernel_reads(layer.weight, packed):
+        # oneDNN picks its blocking per CPU and shape, so each weight's is checked for the
+        # layout the kernel reads (sizes multiples of 32, unpadded, 32-column blocks).
+        kernels = torch.ops.sglang_hf_backend_kernels
+        if amx_kernel_multiplies(layer.weight.dtype) and kernels.amx_layout_matches(layer.weight, packed):
             _AMX_HANDLES.add(int(layer.packed_handle))
         else:
             _AMX_HANDLES.discard(int(layer.packed_handle))
@@ -196,12 +200,6 @@ def _amx_product_differs() -> str | None:
         if not torch.equal(product, F.linear(x, weight, bias)):
             return f"the AMX kernel's product differs from torch's at {tokens} tokens"
     return None
-
-
-def _amx_kernel_reads(weight: torch.Tensor, packed: torch.Tensor) -> bool:
-    """Does oneDNN's packed copy have the layout the kernel reads (sizes multiples of 32, unpadded,
-    32-column blocks)? oneDNN picks its blocking per CPU and shape, so every weight is checked."""
-    return torch.ops.sglang_hf_backend_kernels.amx_layout_matches(weight, packed)
 
 
 def onednn_supports(dtype: torch.dtype) -> bool:
