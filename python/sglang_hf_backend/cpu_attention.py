@@ -8,7 +8,10 @@ attention call over the whole batch, with grouped-query attention done without c
 K/V per query head. Decode, prefill with radix-cache prefixes, chunked prefill and mixed
 batches all reduce to "new tokens at known positions attending to cached tokens".
 Decode reads the pool in place with our C++ kernel (``cpu_kernels``, ``csrc/paged_decode.cpp``):
-no gathered copy of K/V, every cached row read once for the query heads that share it. Prefill,
+no gathered copy of K/V, every cached row read once for the query heads that share it. A
+forward's new K/V rows go into the pool through ``store_kv`` from the same file, both buffers in
+one call (the 0.5B Llama's rows, bf16, per layer: 32 tokens 17.8 -> 2.9 us, 4096 tokens 1.10 ->
+0.42 ms, against two ``index_copy_``). Prefill,
 and decode where the kernel is switched off or did not build, use torch's CPU flash-attention
 kernel (SDPA) over gathered K/V, except where batched grouped matmuls (``grouped_attention``)
 are faster or needed: soft-capped layers, which SDPA cannot express, and half-precision decode
@@ -107,6 +110,7 @@ class CpuSdpaAttnBackend(AttentionBackend):
         self.write_loc: torch.Tensor | None = None  # this forward's KV-cache slots, one per token
         self.plain_pool = is_plain_pool(self.token_to_kv_pool, model_runner.dtype)
         self.decode_kernel = self.plain_pool and cpu_kernels.decode_kernel_wanted()
+        self.store_kernel = self.plain_pool and cpu_kernels.load() is None
         self.matmul_decode = matmul_decode_pays(model_runner.dtype)
         decision(
             "%s decodes with %s (%s, torch CPU capability %s)",
@@ -223,7 +227,11 @@ class CpuSdpaAttnBackend(AttentionBackend):
             pool.set_kv_buffer(layer, KVWriteLoc(self.write_loc, None), k, v)
             return
         local = layer.layer_id - pool.start_layer
-        for buffer, new in ((pool.k_buffer[local], k), (pool.v_buffer[local], v)):
+        k_buffer, v_buffer = pool.k_buffer[local], pool.v_buffer[local]
+        if self.store_kernel and k.dtype == k_buffer.dtype and v.dtype == v_buffer.dtype:
+            torch.ops.sglang_hf_backend_kernels.store_kv(k_buffer, v_buffer, self.write_loc, k, v)
+            return
+        for buffer, new in ((k_buffer, k), (v_buffer, v)):
             buffer.index_copy_(0, self.write_loc, new.reshape(-1, *buffer.shape[1:]).to(buffer.dtype))
 
     def _attend_cached(self, query: torch.Tensor, layer, new: tuple | None = None) -> torch.Tensor:

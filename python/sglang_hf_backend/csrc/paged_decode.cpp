@@ -1,4 +1,4 @@
-// Decode attention straight from SGLang's paged KV pool, for CPUs.
+// Decode attention straight from SGLang's paged KV pool, and writes into it, for CPUs.
 //
 // One query token per request attends to that request's cached tokens, which sit at arbitrary
 // slots of the pool ([slots, kv_heads, dim] per layer). torch's SDPA needs them gathered into a
@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -580,6 +581,39 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_b
   return out;
 }
 
+// This forward's K and V rows (k, v: [tokens, ...] with a slot's values per token) written into
+// the pool's slots `loc`, both buffers in one pass, tokens split over threads where there are
+// many (a prefill); torch's index_copy_ takes a call per buffer and copies rows one by one.
+void store_kv(at::Tensor& k_buffer, at::Tensor& v_buffer, const at::Tensor& loc, const at::Tensor& k,
+              const at::Tensor& v) {
+  TORCH_CHECK(k_buffer.dim() == 3 && v_buffer.dim() == 3 && k_buffer.is_contiguous() && v_buffer.is_contiguous(),
+              "store_kv: the buffers must be contiguous [slots, heads, dim]");
+  TORCH_CHECK(k.scalar_type() == k_buffer.scalar_type() && v.scalar_type() == v_buffer.scalar_type(),
+              "store_kv: k and v must have their buffers' dtypes");
+  TORCH_CHECK(loc.scalar_type() == at::kLong && loc.dim() == 1, "store_kv: loc must be 1-d int64");
+  const int64_t tokens = loc.numel(), k_row = k_buffer.stride(0), v_row = v_buffer.stride(0);
+  TORCH_CHECK(k.numel() == tokens * k_row && v.numel() == tokens * v_row,
+              "store_kv: k and v must hold one slot's values per token");
+  const auto slots = loc.contiguous(), keys = k.contiguous(), values = v.contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t capacity = std::min(k_buffer.size(0), v_buffer.size(0));
+  for (int64_t i = 0; i < tokens; ++i) {
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < capacity, "store_kv: slot ", slot[i], " is outside the pool");
+  }
+  const int64_t k_bytes = k_row * k_buffer.element_size(), v_bytes = v_row * v_buffer.element_size();
+  auto* k_out = static_cast<char*>(k_buffer.data_ptr());
+  auto* v_out = static_cast<char*>(v_buffer.data_ptr());
+  const auto* k_in = static_cast<const char*>(keys.data_ptr());
+  const auto* v_in = static_cast<const char*>(values.data_ptr());
+  constexpr int64_t kTokensPerTask = 256;  // a decode step's few rows stay on one thread
+  at::parallel_for(0, tokens, kTokensPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      std::memcpy(k_out + slot[i] * k_bytes, k_in + i * k_bytes, k_bytes);
+      std::memcpy(v_out + slot[i] * v_bytes, v_in + i * v_bytes, v_bytes);
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(sglang_hf_backend_kernels, m) {
@@ -587,4 +621,6 @@ TORCH_LIBRARY(sglang_hf_backend_kernels, m) {
       "paged_decode_attention(Tensor query, Tensor k_buffer, Tensor v_buffer, Tensor kv_index, "
       "Tensor kv_len, float scale, float softcap, int window) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+  m.def("store_kv(Tensor(a!) k_buffer, Tensor(b!) v_buffer, Tensor loc, Tensor k, Tensor v) -> ()");
+  m.impl("store_kv", c10::DispatchKey::CPU, &store_kv);
 }

@@ -1,5 +1,5 @@
-"""Our C++ kernels against torch: paged decode attention on scattered pool slots, the
-one-token fp32 linear, and the AMX bf16 linear on oneDNN's packed weights."""
+"""Our C++ kernels against torch: paged decode attention on scattered pool slots, writes into
+the pool, the one-token fp32 linear, and the AMX bf16 linear on oneDNN's packed weights."""
 
 from __future__ import annotations
 
@@ -78,6 +78,33 @@ def test_bad_inputs_are_refused(paged_decode):
         paged_decode(query, buffer, buffer, index, lens, 1.0, 0.0, -1)
     with pytest.raises(RuntimeError, match="share a dtype"):
         paged_decode(query, buffer.bfloat16(), buffer.bfloat16(), index, lens, 1.0, 0.0, -1)
+
+
+@pytest.mark.parametrize("tokens", [3, 700])  # 700: split over threads
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_store_kv_writes_rows_where_index_copy_would(kernels, tokens, dtype):
+    generator = torch.Generator().manual_seed(0)
+    k_buffer, v_buffer = torch.randn(2, 1024, 2, 8, generator=generator).to(dtype)
+    expected_k, expected_v = k_buffer.clone(), v_buffer.clone()
+    loc = torch.randperm(1024, generator=generator)[:tokens]
+    k = torch.randn(tokens, 16, generator=generator).to(
+        dtype
+    )  # a token's heads flattened, as linears give them
+    v = torch.randn(tokens, 2, 8, generator=generator).to(dtype)
+    kernels.store_kv(k_buffer, v_buffer, loc, k, v)
+    expected_k.index_copy_(0, loc, k.view(tokens, 2, 8))
+    expected_v.index_copy_(0, loc, v)
+    assert torch.equal(k_buffer, expected_k) and torch.equal(v_buffer, expected_v)
+
+
+def test_store_kv_refuses_slots_outside_the_pool_and_other_dtypes(kernels):
+    k_buffer, v_buffer = torch.zeros(2, 8, 2, 4)
+    k, v = torch.ones(2, 2, 8)
+    with pytest.raises(RuntimeError, match="slot 8 is outside the pool"):
+        kernels.store_kv(k_buffer, v_buffer, torch.tensor([1, 8]), k, v)
+    assert not k_buffer.any()  # checked before anything is written
+    with pytest.raises(RuntimeError, match="must have their buffers' dtypes"):
+        kernels.store_kv(k_buffer, v_buffer, torch.tensor([1, 2]), k.bfloat16(), v)
 
 
 @pytest.mark.parametrize(
