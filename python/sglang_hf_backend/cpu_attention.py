@@ -259,13 +259,7 @@ class CpuSdpaAttnBackend(AttentionBackend):
             query = padded.index_copy_(0, layout.q_rows, query)
         query = query.view(batch, width, heads, head_dim).transpose(1, 2)
         by_matmul = softcap is not None or (self.matmul_decode and layout.decode)
-        if self._new_are_all(layout, new):
-            keys = new[0].reshape(batch, width, layer.tp_k_head_num, head_dim).transpose(1, 2)
-            values = new[1].reshape(batch, width, layer.tp_v_head_num, v_dim).transpose(1, 2)
-            if by_matmul:
-                keys, values = keys.contiguous(), values.contiguous()
-        else:
-            keys, values = self._gather(layer, layout, query.dtype, contiguous=by_matmul)
+        keys, values = self._gather(layer, layout, query.dtype, contiguous=by_matmul, new=new)
         causal = layer.attn_type != AttentionType.ENCODER_ONLY
         window = layer.sliding_window_size
         if by_matmul:
@@ -294,20 +288,24 @@ class CpuSdpaAttnBackend(AttentionBackend):
             new is not None
             and layout.prefix_free
             and layout.q_rows is None
-            and not layout.decode
             and self.plain_pool
             and new[0].dtype == new[1].dtype == self.token_to_kv_pool.dtype
         )
 
-    def _gather(self, layer, layout: BatchLayout, dtype: torch.dtype, contiguous: bool):
-        """This layer's K/V for every request: [B, kv_heads, L, dim], one gather each
-        (``contiguous`` for the matmul path, which the transposed view slows down)."""
-        flat = layout.kv_index.reshape(-1)
+    def _gather(self, layer, layout: BatchLayout, dtype: torch.dtype, contiguous: bool, new: tuple | None):
+        """This layer's K/V for every request: [B, kv_heads, L, dim], one gather each, or this
+        forward's own where they are all (``contiguous`` for the matmul path, which the
+        transposed view slows down)."""
         batch, length = layout.kv_index.shape
         k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
-        keys = k_cache.index_select(0, flat).view(batch, length, *k_cache.shape[1:])
-        values = v_cache.index_select(0, flat).view(batch, length, *v_cache.shape[1:])
+        if self._new_are_all(layout, new):
+            keys, values = new
+        else:
+            flat = layout.kv_index.reshape(-1)
+            keys, values = k_cache.index_select(0, flat), v_cache.index_select(0, flat)
+        keys = keys.reshape(batch, length, *k_cache.shape[1:])
+        values = values.reshape(batch, length, *v_cache.shape[1:])
         keys, values = keys.transpose(1, 2).to(dtype), values.transpose(1, 2).to(dtype)
         if contiguous:
             return keys.contiguous(), values.contiguous()

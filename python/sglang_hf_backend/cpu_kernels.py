@@ -12,8 +12,9 @@ a scheduler that needs the kernels earlier waits on the build's lock and loads w
 
 ``paged_decode_attention`` (``csrc/paged_decode.cpp``): decode attention reading the paged KV
 pool in place; ``SGLANG_HF_BACKEND_DECODE_KERNEL=0`` keeps torch's SDPA over gathered K/V (for
-comparisons). ``store_kv`` (same file): a forward's K and V rows written into the pool. ``one_token_linear`` (``csrc/one_token_linear.cpp``): fp32 linears of one token,
-used where weights are packed for fp32 (``cpu_linear``). ``amx_packed_linear``
+comparisons). ``store_kv`` (same file): a forward's K and V rows written into the pool.
+``one_token_linear`` (``csrc/one_token_linear.cpp``): fp32 linears of one token, used where
+weights are packed for fp32 (``cpu_linear``). ``amx_packed_linear``
 (``csrc/amx_linear.cpp``): bf16 linears of up to 32 tokens on oneDNN's packed weights, on CPUs
 with AMX (``cpu_linear``). Where the build fails (no C++
 compiler), the backend says so, attends with SDPA and multiplies with oneDNN.

@@ -87,9 +87,8 @@ def test_store_kv_writes_rows_where_index_copy_would(kernels, tokens, dtype):
     k_buffer, v_buffer = torch.randn(2, 1024, 2, 8, generator=generator).to(dtype)
     expected_k, expected_v = k_buffer.clone(), v_buffer.clone()
     loc = torch.randperm(1024, generator=generator)[:tokens]
-    k = torch.randn(tokens, 16, generator=generator).to(
-        dtype
-    )  # a token's heads flattened, as linears give them
+    # k with a token's heads flattened, as linears give them
+    k = torch.randn(tokens, 16, generator=generator).to(dtype)
     v = torch.randn(tokens, 2, 8, generator=generator).to(dtype)
     kernels.store_kv(k_buffer, v_buffer, loc, k, v)
     expected_k.index_copy_(0, loc, k.view(tokens, 2, 8))
