@@ -33,6 +33,7 @@
 namespace {
 
 constexpr int64_t kKeysPerBlock = 32;
+constexpr int64_t kHalfBlock = kKeysPerBlock / 2;  // even: value rows go in pairs
 
 using Vec = at::vec::Vectorized<float>;
 
@@ -240,7 +241,13 @@ inline void weighted_sum(float* acc, const float* const* values, const float* we
 // in between), and without the prefetch the kernel waited on it for about half its time. 32
 // requests x 144 cached tokens, KV evicted before each step, Xeon with AMX (2 cores): SmolLM2's
 // shape (9 heads over 3 KV heads of 64, 30 layers) 12.3-12.8 -> 7.9-9.0 ms, the 0.5B Llama's (12
-// over 4 of 128, 16 layers) 14.1 -> 9.9-11.2 ms, i.e. 9 -> 13 GB/s of KV.
+// over 4 of 128, 16 layers) 14.1 -> 9.9-11.2 ms, i.e. 9 -> 13 GB/s of KV. The prefetch goes out
+// in shares spread over the unit's compute (before each half of its keys, for each query head's
+// scores and for the value sums): issued at once, its few hundred lines filled the core's miss
+// buffers and stalled the unit's own loads behind them. scripts/bench_decode_kernel.py, same
+// setup, two runs each way: SmolLM2 7.66-7.71 -> 7.09-7.23 ms, the Llama 10.03-10.05 -> 9.43-9.87
+// ms (13.30-13.60 -> 12.88-12.95 ms at 192 cached tokens); in the Llama's served batch-32 step
+// (scripts/profile_step.py --compile) attention 10.3-10.5 -> 9.2-9.3 ms.
 using Bf16Row = const uint16_t*;
 
 // s[j] = q . key j (rows[j] + offset) for one query head over a block's keys, 16 at a time.
@@ -353,14 +360,21 @@ inline void store_unpacked(const float* acc, float inverse, at::BFloat16* dst) {
 }
 
 // Start loading `bytes` from `offset` of the rows at slots[0, count) of a pool buffer, for the next
-// unit of work, so that they arrive while this one computes.
+// unit of work, so that they arrive while this one computes (inline assembly: the compiler may
+// neither drop nor move the hints).
 inline void prefetch_rows(const uint16_t* buffer, const int64_t* slots, int64_t count, int64_t row_stride,
                           int64_t offset, int64_t bytes) {
   for (int64_t j = 0; j < count; ++j) {
     const char* row = reinterpret_cast<const char*>(buffer + slots[j] * row_stride + offset);
-    for (int64_t byte = 0; byte < bytes; byte += 64) _mm_prefetch(row + byte, _MM_HINT_T0);
+    for (int64_t byte = 0; byte < bytes; byte += 64) asm volatile("prefetcht0 %0" ::"m"(*(row + byte)));
   }
 }
+
+// The unit of work after the current one: its keys' slots, how many (0: none), its KV head.
+struct NextUnit {
+  const int64_t* slots = nullptr;
+  int64_t keys = 0, kv_head = 0;
+};
 
 template <int N>
 void decode_bf16_pairs(const at::Tensor& query, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
@@ -405,28 +419,35 @@ void decode_bf16_pairs(const at::Tensor& query, const at::Tensor& k_buffer, cons
           const int64_t kv_head = first_kv_head + kh;
           // A unit of work is a block of keys for one KV head; the next is the block's next KV
           // head, the item's next block, or the next item's first block.
+          NextUnit next;
           if (kh + 1 < item_kv_heads) {
-            prefetch_rows(k, slots, keys, k_sn, (kv_head + 1) * k_sh, 2 * dim);
-            prefetch_rows(v, slots, keys, v_sn, (kv_head + 1) * v_sh, 2 * dim);
+            next = {slots, keys, kv_head + 1};
           } else if (start + kKeysPerBlock < length) {
-            const int64_t next = std::min(kKeysPerBlock, length - start - kKeysPerBlock);
-            prefetch_rows(k, slots + kKeysPerBlock, next, k_sn, first_kv_head * k_sh, 2 * dim);
-            prefetch_rows(v, slots + kKeysPerBlock, next, v_sn, first_kv_head * v_sh, 2 * dim);
+            next = {slots + kKeysPerBlock, std::min(kKeysPerBlock, length - start - kKeysPerBlock), first_kv_head};
           } else if (item + 1 < end) {
-            const int64_t next_b = (item + 1) / splits, next_head = ((item + 1) % splits) * item_kv_heads;
-            const int64_t next_first = first_key(lens[next_b], window);
-            const int64_t* next_slots = index + next_b * index_sb + next_first;
-            const int64_t next = std::min(kKeysPerBlock, lens[next_b] - next_first);
-            prefetch_rows(k, next_slots, next, k_sn, next_head * k_sh, 2 * dim);
-            prefetch_rows(v, next_slots, next, v_sn, next_head * v_sh, 2 * dim);
+            const int64_t next_b = (item + 1) / splits, next_first = first_key(lens[next_b], window);
+            next = {index + next_b * index_sb + next_first, std::min(kKeysPerBlock, lens[next_b] - next_first),
+                    ((item + 1) % splits) * item_kv_heads};
           }
+          // The next unit's rows go out in two shares per query head's scores and two for the value
+          // sums, one before each half of the block's keys.
+          const int64_t shares = 2 * (group + 1), half = std::min(keys, kHalfBlock);
+          const auto prefetch_share = [&](int64_t share) {
+            if (next.keys == 0) return;
+            const int64_t from = next.keys * share / shares, to = next.keys * (share + 1) / shares;
+            prefetch_rows(k, next.slots + from, to - from, k_sn, next.kv_head * k_sh, 2 * dim);
+            prefetch_rows(v, next.slots + from, to - from, v_sn, next.kv_head * v_sh, 2 * dim);
+          };
           for (int64_t g = 0; g < group; ++g) {
             const int64_t h = kh * group + g;
             const uint16_t* q_row = q + b * q_sb + (first_kv_head * group + h) * q_sh;
             __m512bh q_regs[N];
             for (int c = 0; c < N; ++c) q_regs[c] = (__m512bh)_mm512_loadu_si512(q_row + 32 * c);
             float* s = scores.data() + g * kKeysPerBlock;
-            pair_scores<N>(q_regs, k_rows, kv_head * k_sh, keys, s);
+            prefetch_share(2 * g);
+            pair_scores<N>(q_regs, k_rows, kv_head * k_sh, half, s);
+            prefetch_share(2 * g + 1);
+            pair_scores<N>(q_regs, k_rows + half, kv_head * k_sh, keys - half, s + half);
             scale_scores(s, keys, q_scale, cap);
             const float rescale = softmax.absorb(h, s, keys);
             if (rescale != 1.f) {
@@ -435,8 +456,14 @@ void decode_bf16_pairs(const at::Tensor& query, const at::Tensor& k_buffer, cons
             }
             to_bf16_pairs(s, keys, p_pairs.data() + g * p_stride);
           }
-          add_values_of_group<N>(acc.data() + kh * group * dim, v_rows, kv_head * v_sh, keys, p_pairs.data(),
-                                 p_stride, group);
+          float* group_acc = acc.data() + kh * group * dim;
+          prefetch_share(2 * group);
+          add_values_of_group<N>(group_acc, v_rows, kv_head * v_sh, half, p_pairs.data(), p_stride, group);
+          prefetch_share(2 * group + 1);
+          if (keys > half) {
+            add_values_of_group<N>(group_acc, v_rows + half, kv_head * v_sh, keys - half, p_pairs.data() + half / 2,
+                                   p_stride, group);
+          }
         }
       }
       for (int64_t h = 0; h < item_heads; ++h) {
