@@ -239,13 +239,13 @@ def measure_serving(spec: str, path: str, case: ModelCase, seed: int) -> dict:
     which need ``datasets`` (not in the CPU stack).
     """
     import requests
-    from sglang.srt.utils.network import get_free_port
+    from sglang.srt.utils.network import get_free_port_below_ephemeral
     from transformers import AutoConfig
 
     impl = split_impl(spec)
     vocab = AutoConfig.from_pretrained(path).get_text_config().vocab_size
     w = case.workload
-    port = get_free_port()
+    port = get_free_port_below_ephemeral()  # bound after loading: outside the ephemeral range
     args = [
         sys.executable,
         "-m",

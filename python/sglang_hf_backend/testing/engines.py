@@ -122,9 +122,11 @@ class Server:
         import subprocess
         import sys
 
-        from sglang.srt.utils.network import get_free_port
+        from sglang.srt.utils.network import get_free_port_below_ephemeral
 
-        self.port = get_free_port()
+        # The server binds its port only after loading; below the kernel's ephemeral range, no
+        # outgoing connection (gloo's, ZMQ's) can be handed it as its source port in between.
+        self.port = get_free_port_below_ephemeral()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         command = [
@@ -168,12 +170,17 @@ class Server:
         return self.log_path.read_text()
 
     def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM and wait; returns the exit code."""
+        """SIGTERM and wait (SIGKILL if it does not exit in time); returns the exit code."""
         import signal
+        import subprocess
 
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-            self.process.wait(timeout=timeout)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
         self._log.close()
         return self.process.returncode
 

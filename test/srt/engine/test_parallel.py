@@ -77,11 +77,12 @@ def test_what_cannot_be_cut_is_refused_before_start(checkpoint, name, options, r
 def test_two_nodes_on_loopback_serve_through_the_head(checkpoint, tmp_path):
     """Tensor parallel across the nodes, one rank on each: the node wiring is SGLang's and the
     same for pipeline stages, which are cut (on one node) above."""
-    from sglang.srt.utils.network import get_free_port
+    from sglang.srt.utils.network import get_free_port_below_ephemeral
 
     base = checkpoint("llama")
     ids = prompt_ids(base)
-    nodes = ["--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{get_free_port()}", "--tp-size", "2"]
+    head_address = f"127.0.0.1:{get_free_port_below_ephemeral()}"
+    nodes = ["--nnodes", "2", "--dist-init-addr", head_address, "--tp-size", "2"]
     second = ours_server(
         base, tmp_path / "node1.log", *nodes, "--node-rank", "1", env=cpu_bind_env(1), wait=False
     )
