@@ -360,8 +360,8 @@ inline void store_unpacked(const float* acc, float inverse, at::BFloat16* dst) {
 }
 
 // Start loading `bytes` from `offset` of the rows at slots[0, count) of a pool buffer, for the next
-// unit of work, so that they arrive while this one computes (inline assembly: the compiler may
-// neither drop nor move the hints).
+// unit of work, so that they arrive while this one computes (as inline assembly, which the
+// compiler does not drop).
 inline void prefetch_rows(const uint16_t* buffer, const int64_t* slots, int64_t count, int64_t row_stride,
                           int64_t offset, int64_t bytes) {
   for (int64_t j = 0; j < count; ++j) {
