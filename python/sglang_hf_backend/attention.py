@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 from transformers import AttentionInterface
 
-from sglang_hf_backend import graph_ops
+from sglang_hf_backend import cpu_kernels, graph_ops
 from sglang_hf_backend.profiling import attention_range
 from sglang_hf_backend.surgery.trace import AttentionCall, active_tracer
 
@@ -26,6 +27,10 @@ RADIX_ATTRIBUTE = "sglang_attn"
 # The layer's id as a tensor, for compiled steps: a graph input rather than a constant, so one
 # compiled decoder layer serves every layer (``compilation.LayerRegions``).
 LAYER_TENSOR_ATTRIBUTE = "sglang_layer_id"
+# Whether a compiled step's attention node is the C++ op (``csrc/step_attention.cpp``, where the
+# kernels built), which answers decode steps without Python: a plain bool on the module, which
+# a saved step's guards can hold.
+CPP_NODE_ATTRIBUTE = "sglang_attend_in_cpp"
 
 # Settings an HF module may pass per call that change the result, and whether we honour them.
 _HONOURED = ("scaling", "sliding_window", "softcap", "is_causal")
@@ -58,7 +63,12 @@ def hf_attention_forward(
         attn = getattr(module, RADIX_ATTRIBUTE)
         layer = getattr(module, LAYER_TENSOR_ATTRIBUTE)
         heads, v_dim = attn.tp_q_head_num, attn.v_head_dim
-        return torch.ops.sglang_hf_backend.attend(query, key, value, layer, heads, v_dim), None
+        ops = (
+            torch.ops.sglang_hf_backend_kernels
+            if getattr(module, CPP_NODE_ATTRIBUTE)
+            else torch.ops.sglang_hf_backend
+        )
+        return ops.attend(query, key, value, layer, heads, v_dim), None
     return attend(module, query, key, value, forward_batch), None
 
 
@@ -97,18 +107,36 @@ _RUNNING: list[_Step | None] = [None]
 @contextlib.contextmanager
 def running_step(attention: dict[int, nn.Module], forward_batch) -> Iterator[None]:
     """What a compiled step's attention op reads outside the graph: the layers and the batch
-    (the KV pool, the batch's index tensors and the backend's dispatch change every step)."""
+    (the KV pool, the batch's index tensors and the backend's dispatch change every step); in
+    decode, the backend may hand the step to the C++ node instead."""
+    from sglang.srt.model_executor.forward_context import get_attn_backend
+
     _RUNNING[0] = _Step(attention, forward_batch)
+    publish = getattr(get_attn_backend(), "publish_decode_step", None)
+    published = publish is not None and publish([getattr(m, RADIX_ATTRIBUTE) for m in attention.values()])
     try:
         yield
     finally:
         _RUNNING[0] = None
+        if published:
+            torch.ops.sglang_hf_backend_kernels.end_decode_step()
 
 
 def give_layer_tensors(attention: dict[int, nn.Module]) -> None:
-    """Attach each layer's id as a tensor, which compiled steps pass to the attention op."""
+    """Attach each layer's id as a tensor, which compiled steps pass to the attention op, and
+    which op that is (waiting for the kernels' build, before any trace)."""
+    in_cpp = _cpp_node_available()
     for layer_id, module in attention.items():
         setattr(module, LAYER_TENSOR_ATTRIBUTE, torch.tensor(layer_id))
+        setattr(module, CPP_NODE_ATTRIBUTE, in_cpp)
+
+
+@functools.cache
+def _cpp_node_available() -> bool:
+    if cpu_kernels.load() is not None:
+        return False
+    torch.library.register_fake("sglang_hf_backend_kernels::attend", _attend_shape)
+    return True
 
 
 def attend_in_graph(

@@ -112,6 +112,7 @@ class CpuSdpaAttnBackend(AttentionBackend):
         self.decode_kernel = self.plain_pool and cpu_kernels.decode_kernel_wanted()
         self.store_kernel = self.plain_pool and cpu_kernels.load() is None
         self.matmul_decode = matmul_decode_pays(model_runner.dtype)
+        self._published_layers: tuple | None = None  # (layers, their settings) last handed to the C++ node
         decision(
             "%s decodes with %s (%s, torch CPU capability %s)",
             name,
@@ -188,6 +189,34 @@ class CpuSdpaAttnBackend(AttentionBackend):
             prefix_free=not bool(prefix.any()),
         )
 
+    def publish_decode_step(self, layers: list) -> bool:
+        """Hand this step to a compiled step's C++ attention node (``csrc/step_attention.cpp``):
+        its KV slots, each request's cached rows, and every layer's pool buffers and settings.
+        Only in decode with both kernels, where ``attend_layer`` takes the same two."""
+        layout = self.forward_metadata
+        if not (self.decode_kernel and self.store_kernel and layout is not None and layout.decode):
+            return False
+        key = tuple(layers)
+        if self._published_layers is None or self._published_layers[0] != key:
+            self._published_layers = (key, self._layer_settings(layers))
+        torch.ops.sglang_hf_backend_kernels.begin_decode_step(
+            self.write_loc, layout.kv_index, layout.kv_len, *self._published_layers[1]
+        )
+        return True
+
+    def _layer_settings(self, layers: list) -> tuple:
+        """Layer ids, K and V buffers, scales, soft caps (0: none) and windows, as the op takes them."""
+        pool = self.token_to_kv_pool
+        local = [layer.layer_id - pool.start_layer for layer in layers]
+        return (
+            [layer.layer_id for layer in layers],
+            [pool.k_buffer[i] for i in local],
+            [pool.v_buffer[i] for i in local],
+            [float(layer.scaling) for layer in layers],
+            [float(_softcap(layer) or 0.0) for layer in layers],
+            [int(layer.sliding_window_size) for layer in layers],
+        )
+
     def attend_within_spans(self, spans: list[list[tuple[int, int]]]) -> None:
         """This forward's requests let the tokens of each span (first, last position) attend to
         the whole span, as a model whose image tokens see their whole image asks; the rest stays
@@ -240,7 +269,7 @@ class CpuSdpaAttnBackend(AttentionBackend):
         layout = self.forward_metadata
         batch, width = layout.q_pos.shape
         heads, head_dim, v_dim = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
-        softcap = layer.logit_cap if layer.logit_cap and layer.logit_cap > 0 else None
+        softcap = _softcap(layer)
         if layout.decode and self.decode_kernel:
             local = layer.layer_id - self.token_to_kv_pool.start_layer
             out = torch.ops.sglang_hf_backend_kernels.paged_decode_attention(
@@ -313,6 +342,10 @@ class CpuSdpaAttnBackend(AttentionBackend):
 
     def support_triton(self):
         return False
+
+
+def _softcap(layer) -> float | None:
+    return layer.logit_cap if layer.logit_cap and layer.logit_cap > 0 else None
 
 
 def is_plain_pool(pool, dtype: torch.dtype) -> bool:

@@ -16,8 +16,10 @@ comparisons). ``store_kv`` (same file): a forward's K and V rows written into th
 ``one_token_linear`` (``csrc/one_token_linear.cpp``): fp32 linears of one token, used where
 weights are packed for fp32 (``cpu_linear``). ``amx_packed_linear``
 (``csrc/amx_linear.cpp``): bf16 linears of up to 32 tokens on oneDNN's packed weights, on CPUs
-with AMX (``cpu_linear``). Where the build fails (no C++
-compiler), the backend says so, attends with SDPA and multiplies with oneDNN.
+with AMX (``cpu_linear``). ``packed_linear`` (``csrc/packed_linear.cpp``): every packed linear's
+product, routed to those by size in C++. ``attend`` (``csrc/step_attention.cpp``): a compiled
+step's attention node, which writes and attends in C++ in decode (``attention``). Where the build
+fails (no C++ compiler), the backend says so, attends with SDPA and multiplies with oneDNN.
 """
 
 from __future__ import annotations
@@ -39,7 +41,13 @@ logger = logging.getLogger("sglang_hf_backend")
 DECODE_KERNEL_ENV = "SGLANG_HF_BACKEND_DECODE_KERNEL"
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_decode.cpp", "one_token_linear.cpp", "amx_linear.cpp")
+    for name in (
+        "paged_decode.cpp",
+        "one_token_linear.cpp",
+        "amx_linear.cpp",
+        "packed_linear.cpp",
+        "step_attention.cpp",
+    )
 ]
 
 

@@ -46,7 +46,6 @@ from sglang_hf_backend.platform import fp32_served_for_speed
 PACKED_WEIGHTS_ENV = "SGLANG_HF_BACKEND_PACKED_WEIGHTS"
 AMX_LINEAR_ENV = "SGLANG_HF_BACKEND_AMX_LINEAR"
 _PACKED: list[torch.Tensor] = []  # handle -> packed weight
-_AMX_HANDLES: set[int] = set()  # handles whose products of few tokens our AMX kernel computes
 _AMX_MAX_TOKENS = 32
 _TOKENS_HINT = 32  # the batch size oneDNN packs for
 # Above this many tokens (prefill) the plain bf16 product is as fast or faster (SmolLM2's four
@@ -55,33 +54,35 @@ _TOKENS_HINT = 32  # the batch size oneDNN packs for
 _PACKED_MAX_TOKENS = 256
 
 
-def _linear(
+def _onednn_linear(
     x: torch.Tensor, weight: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
+    """The packed product where our C++ kernels did not build (their ``packed_linear`` routes
+    the same way, with the AMX and one-token kernels added)."""
     if x.dtype != torch.float32 and x.numel() > _PACKED_MAX_TOKENS * x.shape[-1]:
         return F.linear(x, weight, bias)
-    index = int(handle)
-    if x.numel() <= _AMX_MAX_TOKENS * x.shape[-1] and index in _AMX_HANDLES:
-        return torch.ops.sglang_hf_backend_kernels.amx_packed_linear(x, weight, _PACKED[index], bias)
-    if x.dtype == torch.float32 and x.numel() == x.shape[-1] and _one_token_kernel_built():
-        return torch.ops.sglang_hf_backend_kernels.one_token_linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, _PACKED[index], bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, _PACKED[int(handle)], bias, "none", [], "")
 
 
 @functools.cache
-def _one_token_kernel_built() -> bool:
-    """Are our C++ kernels loaded here (asked once; packing asks first, at load time)?"""
-    return cpu_kernels.load() is None
+def _kernels_built() -> bool:
+    """Are our C++ kernels loaded here (asked once; packing asks first, at load time)? Where they
+    are, their ``packed_linear`` (``csrc/packed_linear.cpp``: the same routing, plus the AMX and
+    one-token kernels, and no Python per call) multiplies, given its fake for compiled graphs."""
+    if cpu_kernels.load() is not None:
+        return False
+    torch.library.register_fake("sglang_hf_backend_kernels::packed_linear", _packed_linear_shape)
+    return True
 
 
 def _packed_linear_shape(x, weight, handle, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-# ``_linear`` as one opaque node of a compiled graph (the token count is known only when it runs).
+# ``_onednn_linear`` as one opaque node of a compiled graph (the token count is known only when it runs).
 graph_ops.define(
     "packed_linear(Tensor x, Tensor weight, Tensor handle, Tensor? bias) -> Tensor",
-    _linear,
+    _onednn_linear,
     _packed_linear_shape,
 )
 
@@ -90,26 +91,30 @@ class PackedWeights:
     """What the packed methods share: packing after load, and the product."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if layer.weight.dtype == torch.float32:
-            _one_token_kernel_built()  # waits for the kernels' build now, not in the first request
+        # Waits for the kernels' build now, not in the first request; a plain bool, which a
+        # saved compiled step's guards can hold (the op itself could not be pickled).
+        self.kernels_built = _kernels_built()
         packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.data, _TOKENS_HINT)
         if getattr(layer, "packed_handle", None) is None:
             layer.packed_handle = torch.tensor(len(_PACKED))
             _PACKED.append(packed)
         else:  # reloaded weights: same handle, so compiled graphs stay valid
             _PACKED[int(layer.packed_handle)] = packed
-        # oneDNN picks its blocking per CPU and shape, so each weight's is checked for the
-        # layout the kernel reads (sizes multiples of 32, unpadded, 32-column blocks).
-        kernels = torch.ops.sglang_hf_backend_kernels
-        if amx_kernel_multiplies(layer.weight.dtype) and kernels.amx_layout_matches(layer.weight, packed):
-            _AMX_HANDLES.add(int(layer.packed_handle))
-        else:
-            _AMX_HANDLES.discard(int(layer.packed_handle))
+        if self.kernels_built:
+            # oneDNN picks its blocking per CPU and shape, so each weight's is checked for the
+            # layout the AMX kernel reads (sizes multiples of 32, unpadded, 32-column blocks).
+            kernels = torch.ops.sglang_hf_backend_kernels
+            amx = amx_kernel_multiplies(layer.weight.dtype) and kernels.amx_layout_matches(
+                layer.weight, packed
+            )
+            kernels.register_packed(int(layer.packed_handle), packed, amx, _PACKED_MAX_TOKENS)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return torch.ops.sglang_hf_backend.packed_linear(x, layer.weight, layer.packed_handle, bias)
-        return _linear(x, layer.weight, layer.packed_handle, bias)
+        if self.kernels_built:
+            return torch.ops.sglang_hf_backend_kernels.packed_linear(
+                x, layer.weight, layer.packed_handle, bias
+            )
+        return torch.ops.sglang_hf_backend.packed_linear(x, layer.weight, layer.packed_handle, bias)
 
 
 class PackedLinearMethod(PackedWeights, UnquantizedLinearMethod):
@@ -249,5 +254,5 @@ def _say_fp32_is_packed() -> None:
         "are packed for oneDNN's fp32 product (one token: our C++ kernel on the plain weight, %s), "
         "faster than torch's matmul and within fp32 rounding of it; an explicit dtype=float32 keeps "
         "torch's matmul",
-        "built" if _one_token_kernel_built() else "not built here, so oneDNN's product",
+        "built" if _kernels_built() else "not built here, so oneDNN's product",
     )

@@ -6,7 +6,8 @@ time, the profiled ones the split). Each forward becomes one JSON line in
 ``<dir>/rank<r>.jsonl``:
 
 - ``gemm_ms``: self time of matmul ops outside attention;
-- ``attention_ms``: every op inside the RadixAttention call (KV write, gather, SDPA);
+- ``attention_ms``: every op inside the RadixAttention call (KV write, gather, SDPA), or
+  inside a compiled step's C++ attention node;
 - ``other_ops_ms``: every other op (norms, RoPE, activations, copies, sampling-side logits),
   a compiled step's generated kernels included;
 - ``python_ms``: forward wall time (unprofiled) minus all op time: Python and dispatch;
@@ -30,6 +31,9 @@ from sglang_hf_backend.diagnostics import tp_rank
 
 PROFILE_ENV = "SGLANG_HF_BACKEND_PROFILE"
 ATTENTION_RANGE = "sglang_hf_backend.attention"
+# What attention is made of: the range around a Python attention call, or a compiled step's
+# C++ attention node (``csrc/step_attention.cpp``), whose KV write and kernel run inside it.
+ATTENTION_SPANS = {ATTENTION_RANGE, "sglang_hf_backend_kernels::attend"}
 GEMM_OPS = {
     "aten::mm",
     "aten::addmm",
@@ -38,7 +42,7 @@ GEMM_OPS = {
     "aten::_weight_int8pack_mm",
     "mkldnn::_linear_pointwise",  # prepacked linears (cpu_linear.py)
     "sglang_hf_backend_kernels::one_token_linear",  # their one-token fp32 product
-    "sglang_hf_backend_kernels::amx_packed_linear",  # their bf16 product of few tokens (AMX)
+    "sglang_hf_backend_kernels::packed_linear",  # their product (AMX kernel inline; nested oneDNN/aten ops)
 }
 # With TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1 a compiled step's generated kernels are
 # recorded under names like ``graph_0_cpp_fused_add_mul_0``, or ``cpp_fused_add_mul_0`` inside
@@ -101,7 +105,7 @@ class StepProfiler:
 
 def split_ops(events) -> dict:
     """Self CPU time of the recorded ops (ms): matmuls, attention, everything else, and the top ops."""
-    ranges = [(e.time_range.start, e.time_range.end) for e in events if e.name == ATTENTION_RANGE]
+    ranges = [(e.time_range.start, e.time_range.end) for e in events if e.name in ATTENTION_SPANS]
     totals = {"gemm_ms": 0.0, "attention_ms": 0.0, "other_ops_ms": 0.0}
     by_op: dict[str, float] = {}
     for event in events:

@@ -23,6 +23,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "linears.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -37,21 +39,6 @@ constexpr int64_t kColumns = 32;      // output columns per block: two 16-column
 constexpr int64_t kDepth = 32;        // inner-dimension values per block and tile multiply
 constexpr int64_t kBlockValues = kDepth * kColumns;
 constexpr int64_t kPrefetchBytes = 8192;  // four blocks ahead: 2-16 KB within ~5%, 8 KB the best
-
-// The packed weight's address: mkldnn tensors have no data_ptr of their own.
-const void* packed_data(const at::Tensor& packed) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("mkldnn::data_ptr", "")
-                             .typed<int64_t(const at::Tensor&)>();
-  return reinterpret_cast<const void*>(op.call(packed));
-}
-
-int64_t packed_bytes(const at::Tensor& packed) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("mkldnn::_nbytes", "")
-                             .typed<int64_t(const at::Tensor&)>();
-  return op.call(packed);
-}
 
 #ifdef SGLANG_HF_BACKEND_AMX
 
@@ -156,19 +143,30 @@ void multiply(const at::BFloat16* x, int64_t rows, int64_t k, const at::BFloat16
 
 #endif  // SGLANG_HF_BACKEND_AMX
 
-// x [..., k] bf16 of up to 32 tokens; weight: the plain [n, k] weight (its sizes); packed:
-// oneDNN's packed copy of it (`mkldnn._reorder_linear_weight`); bias [n] or none.
-at::Tensor amx_packed_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed,
-                             const c10::optional<at::Tensor>& bias) {
+}  // namespace
+
+namespace sglang_hf_backend {
+
+const void* packed_data(const at::Tensor& packed) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("mkldnn::data_ptr", "")
+                             .typed<int64_t(const at::Tensor&)>();
+  return reinterpret_cast<const void*>(op.call(packed));
+}
+
+int64_t packed_bytes(const at::Tensor& packed) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("mkldnn::_nbytes", "")
+                             .typed<int64_t(const at::Tensor&)>();
+  return op.call(packed);
+}
+
+at::Tensor amx_product(const at::Tensor& x, int64_t n, const void* packed, const c10::optional<at::Tensor>& bias) {
 #ifdef SGLANG_HF_BACKEND_AMX
   TORCH_CHECK(amx_permitted(), "amx_packed_linear: the kernel refused this process AMX state");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
-              "amx_packed_linear: x and weight must be bfloat16");
-  TORCH_CHECK(packed.is_mkldnn(), "amx_packed_linear: packed must be oneDNN's packed weight");
-  TORCH_CHECK(weight.dim() == 2 && x.size(-1) == weight.size(1), "amx_packed_linear: x and weight sizes differ");
-  const int64_t n = weight.size(0), k = weight.size(1);
-  TORCH_CHECK(n % kColumns == 0 && k % kDepth == 0 && packed_bytes(packed) == n * k * 2,
-              "amx_packed_linear: the weight's sizes must be multiples of 32, packed unpadded");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "amx_packed_linear: x must be bfloat16");
+  const int64_t k = x.size(-1);
+  TORCH_CHECK(n % kColumns == 0 && k % kDepth == 0, "amx_packed_linear: the weight's sizes must be multiples of 32");
   const auto input = x.reshape({-1, k}).contiguous();
   const int64_t rows = input.size(0);
   TORCH_CHECK(rows <= kMaxRows, "amx_packed_linear: up to 32 tokens, got ", rows);
@@ -178,12 +176,33 @@ at::Tensor amx_packed_linear(const at::Tensor& x, const at::Tensor& weight, cons
   sizes.back() = n;
   auto out = at::empty(sizes, x.options());
   if (rows == 0) return out;
-  multiply(input.data_ptr<at::BFloat16>(), rows, k, static_cast<const at::BFloat16*>(packed_data(packed)), n,
+  multiply(input.data_ptr<at::BFloat16>(), rows, k, static_cast<const at::BFloat16*>(packed), n,
            bias_values.defined() ? bias_values.data_ptr<float>() : nullptr, out.data_ptr<at::BFloat16>());
   return out;
 #else
   TORCH_CHECK(false, "amx_packed_linear: built for a CPU without AMX-BF16");
 #endif
+}
+
+}  // namespace sglang_hf_backend
+
+namespace {
+
+using sglang_hf_backend::packed_bytes;
+using sglang_hf_backend::packed_data;
+
+// x [..., k] bf16 of up to 32 tokens; weight: the plain [n, k] weight (its sizes); packed:
+// oneDNN's packed copy of it (`mkldnn._reorder_linear_weight`); bias [n] or none.
+at::Tensor amx_packed_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed,
+                             const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
+              "amx_packed_linear: x and weight must be bfloat16");
+  TORCH_CHECK(packed.is_mkldnn(), "amx_packed_linear: packed must be oneDNN's packed weight");
+  TORCH_CHECK(weight.dim() == 2 && x.size(-1) == weight.size(1), "amx_packed_linear: x and weight sizes differ");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(n % kColumns == 0 && k % kDepth == 0 && packed_bytes(packed) == n * k * 2,
+              "amx_packed_linear: the weight's sizes must be multiples of 32, packed unpadded");
+  return sglang_hf_backend::amx_product(x, n, packed_data(packed), bias);
 }
 
 // Does `packed` hold `weight` in the layout the kernel reads? oneDNN chooses its blocking per

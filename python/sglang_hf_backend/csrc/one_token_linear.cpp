@@ -17,6 +17,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "linears.h"
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -60,6 +62,10 @@ inline float one_row(const float* w, int64_t k, const float* x) {
                                          [](Vec a, Vec b) { return a + b; }, w, x, k);
 }
 
+}  // namespace
+
+namespace sglang_hf_backend {
+
 // x [..., in] holding one token, weight [out, in], bias [out] or none; returns [..., out].
 at::Tensor one_token_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
@@ -94,9 +100,9 @@ at::Tensor one_token_linear(const at::Tensor& x, const at::Tensor& weight, const
   return out;
 }
 
-}  // namespace
+}  // namespace sglang_hf_backend
 
 TORCH_LIBRARY_FRAGMENT(sglang_hf_backend_kernels, m) {
   m.def("one_token_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.impl("one_token_linear", c10::DispatchKey::CPU, &one_token_linear);
+  m.impl("one_token_linear", c10::DispatchKey::CPU, &sglang_hf_backend::one_token_linear);
 }

@@ -608,6 +608,13 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_b
   return out;
 }
 
+// `x` [tokens, ...] as [tokens, row] with each token's row contiguous: a view where it already is
+// (a fused QKV projection's V is such a token-strided slice), else a contiguous copy.
+at::Tensor token_rows(const at::Tensor& x, int64_t tokens, int64_t row) {
+  const auto rows = x.reshape({tokens, row});
+  return rows.stride(1) == 1 ? rows : rows.contiguous();
+}
+
 // This forward's K and V rows (k, v: [tokens, ...] with a slot's values per token) written into
 // the pool's slots `loc`, both buffers in one pass, tokens split over threads where there are
 // many (a prefill); torch's index_copy_ takes a call per buffer and copies rows one by one.
@@ -621,13 +628,15 @@ void store_kv(at::Tensor& k_buffer, at::Tensor& v_buffer, const at::Tensor& loc,
   const int64_t tokens = loc.numel(), k_row = k_buffer.stride(0), v_row = v_buffer.stride(0);
   TORCH_CHECK(k.numel() == tokens * k_row && v.numel() == tokens * v_row,
               "store_kv: k and v must hold one slot's values per token");
-  const auto slots = loc.contiguous(), keys = k.contiguous(), values = v.contiguous();
+  const auto slots = loc.contiguous();
+  const auto keys = token_rows(k, tokens, k_row), values = token_rows(v, tokens, v_row);
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t capacity = std::min(k_buffer.size(0), v_buffer.size(0));
   for (int64_t i = 0; i < tokens; ++i) {
     TORCH_CHECK(slot[i] >= 0 && slot[i] < capacity, "store_kv: slot ", slot[i], " is outside the pool");
   }
   const int64_t k_bytes = k_row * k_buffer.element_size(), v_bytes = v_row * v_buffer.element_size();
+  const int64_t k_step = keys.stride(0) * keys.element_size(), v_step = values.stride(0) * values.element_size();
   auto* k_out = static_cast<char*>(k_buffer.data_ptr());
   auto* v_out = static_cast<char*>(v_buffer.data_ptr());
   const auto* k_in = static_cast<const char*>(keys.data_ptr());
@@ -635,8 +644,8 @@ void store_kv(at::Tensor& k_buffer, at::Tensor& v_buffer, const at::Tensor& loc,
   constexpr int64_t kTokensPerTask = 256;  // a decode step's few rows stay on one thread
   at::parallel_for(0, tokens, kTokensPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      std::memcpy(k_out + slot[i] * k_bytes, k_in + i * k_bytes, k_bytes);
-      std::memcpy(v_out + slot[i] * v_bytes, v_in + i * v_bytes, v_bytes);
+      std::memcpy(k_out + slot[i] * k_bytes, k_in + i * k_step, k_bytes);
+      std::memcpy(v_out + slot[i] * v_bytes, v_in + i * v_step, v_bytes);
     }
   });
 }

@@ -1,5 +1,6 @@
 """Our C++ kernels against torch: paged decode attention on scattered pool slots, writes into
-the pool, the one-token fp32 linear, and the AMX bf16 linear on oneDNN's packed weights."""
+the pool, a compiled step's attention node, the one-token fp32 linear, and the AMX bf16 linear
+on oneDNN's packed weights."""
 
 from __future__ import annotations
 
@@ -89,7 +90,8 @@ def test_store_kv_writes_rows_where_index_copy_would(kernels, tokens, dtype):
     loc = torch.randperm(1024, generator=generator)[:tokens]
     # k with a token's heads flattened, as linears give them
     k = torch.randn(tokens, 16, generator=generator).to(dtype)
-    v = torch.randn(tokens, 2, 8, generator=generator).to(dtype)
+    # v a token-strided slice, as a fused QKV projection's output gives it
+    v = torch.randn(tokens, 40, generator=generator).to(dtype)[:, 24:].view(tokens, 2, 8)
     kernels.store_kv(k_buffer, v_buffer, loc, k, v)
     expected_k.index_copy_(0, loc, k.view(tokens, 2, 8))
     expected_v.index_copy_(0, loc, v)
@@ -194,3 +196,71 @@ def test_switch_is_checked(monkeypatch):
     monkeypatch.setenv(cpu_kernels.DECODE_KERNEL_ENV, "on")
     with pytest.raises(ValueError, match="SGLANG_HF_BACKEND_DECODE_KERNEL='on'"):
         cpu_kernels.decode_kernel_wanted()
+
+
+def test_packed_linear_refuses_a_handle_no_weight_was_registered_under(kernels):
+    weight = torch.randn(64, 64)
+    for handle, message in (
+        (torch.tensor(10**6), "no weight was registered under handle 1000000"),
+        (torch.tensor(1.0), "handle must be one int64"),
+    ):
+        with pytest.raises(RuntimeError, match=message):
+            kernels.packed_linear(torch.randn(1, 64), weight, handle, None)
+    with pytest.raises(RuntimeError, match="oneDNN's packed weight"):
+        kernels.register_packed(0, weight, False, 256)
+
+
+def step_attention_case(dtype=torch.float32):
+    """Two requests decoding one token each (3 and 5 cached tokens with it) in layer 7's pool;
+    the step's K/V come as views of [1, heads, tokens, dim], V a slice of a fused projection."""
+    generator = torch.Generator().manual_seed(0)
+    k_buffer, v_buffer = torch.randn(2, 12, 2, 16, generator=generator).to(dtype)
+    kv_index = torch.tensor([[0, 1, 2, 0, 0], [3, 4, 5, 6, 7]])
+    kv_len, loc = torch.tensor([3, 5]), torch.tensor([2, 7])
+    query = torch.randn(2, 4, 16, generator=generator).to(dtype).transpose(0, 1)[None]
+    key = torch.randn(2, 2, 16, generator=generator).to(dtype).transpose(0, 1)[None]
+    value = torch.randn(2, 96, generator=generator).to(dtype)[:, 64:].view(2, 2, 16).transpose(0, 1)[None]
+    return k_buffer, v_buffer, kv_index, kv_len, loc, query, key, value
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_step_attention_node_in_a_published_decode_step_is_the_two_kernels(kernels, dtype):
+    k_buffer, v_buffer, kv_index, kv_len, loc, query, key, value = step_attention_case(dtype)
+    expected_k, expected_v = k_buffer.clone(), v_buffer.clone()
+    kernels.store_kv(expected_k, expected_v, loc, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    expected = kernels.paged_decode_attention(
+        query[0].transpose(0, 1), expected_k, expected_v, kv_index, kv_len, 0.25, 0.0, -1
+    ).view(1, 2, 4, 16)
+    kernels.begin_decode_step(loc, kv_index, kv_len, [7], [k_buffer], [v_buffer], [0.25], [0.0], [-1])
+    try:
+        out = kernels.attend(query, key, value, torch.tensor(7), 4, 16)
+    finally:
+        kernels.end_decode_step()
+    assert torch.equal(out, expected)
+    assert torch.equal(k_buffer, expected_k) and torch.equal(v_buffer, expected_v)
+
+
+def test_step_attention_node_hands_everything_else_to_the_python_op(kernels, monkeypatch):
+    """Outside a published decode step, for a layer not published or a K/V dtype the pool does
+    not hold, the node calls ``sglang_hf_backend::attend`` (which needs a running engine step:
+    its lookup is replaced here by a recorder)."""
+    from sglang_hf_backend import attention
+
+    k_buffer, v_buffer, kv_index, kv_len, loc, query, key, value = step_attention_case()
+    calls = []
+
+    def recorded(module, q, k, v, forward_batch):
+        calls.append((module, forward_batch))
+        return q.new_zeros(1, q.shape[2], 4, 16)
+
+    monkeypatch.setattr(attention, "attend", recorded)
+    monkeypatch.setattr(attention, "_RUNNING", [attention._Step({7: "layer 7", 8: "layer 8"}, "batch")])
+    kernels.attend(query, key, value, torch.tensor(7), 4, 16)  # nothing published
+    kernels.begin_decode_step(loc, kv_index, kv_len, [7], [k_buffer], [v_buffer], [0.25], [0.0], [-1])
+    try:
+        kernels.attend(query, key, value, torch.tensor(8), 4, 16)  # another layer
+        kernels.attend(query.double(), key.double(), value.double(), torch.tensor(7), 4, 16)
+    finally:
+        kernels.end_decode_step()
+    assert calls == [("layer 7", "batch"), ("layer 8", "batch"), ("layer 7", "batch")]
+    assert not k_buffer[torch.tensor([2, 7])].equal(key[0].transpose(0, 1))  # nothing written by the node

@@ -60,6 +60,15 @@ def test_reloaded_weights_keep_their_handle():
     assert_same_product(method.apply(layer, x), F.linear(x, layer.weight))
 
 
+def test_product_where_the_kernels_did_not_build_is_the_same():
+    """The Python op that multiplies where the C++ kernels did not build (no compiler)."""
+    layer, _ = packed_layer()
+    for tokens in (1, 32, 300):
+        x = torch.randn(tokens, 64).to(DTYPE)
+        product = torch.ops.sglang_hf_backend.packed_linear(x, layer.weight, layer.packed_handle, layer.bias)
+        assert_same_product(product, F.linear(x, layer.weight, layer.bias))
+
+
 def test_compiled_graph_calls_the_packed_op():
     layer, method = packed_layer(bias=False)
 
@@ -120,11 +129,12 @@ def test_few_tokens_take_the_amx_kernel_where_it_multiplies(monkeypatch):
     assert amx_here == (DTYPE == torch.bfloat16 and torch.cpu._is_amx_tile_supported())
     routed, method = packed_layer(out_features=96)
     odd, _ = packed_layer(out_features=100)
-    assert (int(routed.packed_handle) in cpu_linear._AMX_HANDLES) == amx_here
-    assert int(odd.packed_handle) not in cpu_linear._AMX_HANDLES
-    for layer in (routed, odd):
+    for layer, by_onednn in ((routed, not amx_here), (odd, True)):
         x = torch.randn(5, 64).to(DTYPE)
-        assert_same_product(method.apply(layer, x, layer.bias), F.linear(x, layer.weight, layer.bias))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            product = method.apply(layer, x, layer.bias)
+        assert any(e.name == "mkldnn::_linear_pointwise" for e in profile.events()) == by_onednn
+        assert_same_product(product, F.linear(x, layer.weight, layer.bias))
     assert not cpu_linear.amx_kernel_multiplies(torch.float32)
     monkeypatch.setenv(cpu_linear.AMX_LINEAR_ENV, "0")
     cpu_linear.amx_kernel_multiplies.cache_clear()

@@ -68,6 +68,34 @@ def test_our_decode_kernel_counts_as_attention():
     assert profiling.split_ops(profile.events())["attention_ms"] > 0
 
 
+def test_a_compiled_steps_attention_node_counts_as_attention():
+    """The C++ node runs its KV write and kernel inside itself, outside any Python range."""
+    from sglang_hf_backend import cpu_kernels
+
+    assert cpu_kernels.load() is None
+    kernels = torch.ops.sglang_hf_backend_kernels
+    buffer = torch.randn(8, 2, 16)
+    kernels.begin_decode_step(
+        torch.tensor([3, 7]),
+        torch.arange(8).view(2, 4),
+        torch.tensor([4, 4]),
+        [0],
+        [buffer],
+        [buffer.clone()],
+        [0.25],
+        [0.0],
+        [-1],
+    )
+    inputs = (torch.randn(1, 4, 2, 16), torch.randn(1, 2, 2, 16), torch.randn(1, 2, 2, 16), torch.tensor(0))
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            kernels.attend(*inputs, 4, 16)
+    finally:
+        kernels.end_decode_step()
+    split = profiling.split_ops(profile.events())
+    assert split["attention_ms"] > 0 and split["other_ops_ms"] == 0
+
+
 def test_attention_range_only_while_profiling():
     assert not profiling._PROFILER.profiling
     assert not isinstance(profiling.attention_range(), torch.profiler.record_function)
