@@ -4,11 +4,11 @@ SGLang's own CPU answer to ``--enable-torch-compile`` (its CPU graph runner) com
 whole forward for every decode batch size and needs an attention backend that keeps
 CPU-graph state (``intel_amx`` with ``sgl-kernel``). Ours compiles the backbone's forward
 once, for any token count. The RadixAttention call is a custom op with a fake
-implementation (``attention.attend_in_graph``), so the graph does not break at attention:
-norms, RoPE, activations and the glue between the GEMMs of all layers are generated as one
-program, and the Python of HF's module calls runs only while tracing. The step's batch
-(KV-cache indices, attention metadata) reaches the op outside the graph
-(``attention.running_step``). The token count is an unbacked size: torch would otherwise
+implementation (``csrc/step_attention.cpp``, or ``attention.attend_in_graph`` where the C++
+kernels did not build), so the graph does not break at attention: norms, RoPE, activations and
+the glue between the GEMMs of all layers are generated as one program, and the Python of HF's
+module calls runs only while tracing. The step's batch (KV-cache indices, attention metadata)
+reaches the op outside the graph (``attention.running_step``). The token count is an unbacked size: torch would otherwise
 specialise a one-token step (batch-1 decode) and trace HF's Python a second time, which is
 most of a compile (SmolLM2 with a warm cache: 11.5 s for two graphs, 6.7 s for one); a check
 that it is at least one is all the graph needs. Each decoder-layer class is traced and

@@ -26,7 +26,10 @@ The layers keep their plain weight (weight reloads, LoRA and load reports read i
 handle into ``_PACKED``: an mkldnn tensor cannot be an input of a compiled graph, whose cache
 key pickles its inputs, so a compiled step passes the handle to the ``packed_linear`` op. The
 handle is a tensor, an input of the graph rather than a constant in it, so one compiled decoder
-layer serves every layer (``compilation.LayerRegions``).
+layer serves every layer (``compilation.LayerRegions``). Where our C++ kernels built, the op is
+theirs (``csrc/packed_linear.cpp``): packing registers each weight there under its handle, and a
+call picks the product by size in C++ (routing in Python cost ~6 us a call, ~65 calls a decode
+step of the 0.5B Llama); elsewhere it is ``_onednn_linear``.
 """
 
 from __future__ import annotations
@@ -72,11 +75,16 @@ def _kernels_built() -> bool:
     if cpu_kernels.load() is not None:
         return False
     torch.library.register_fake("sglang_hf_backend_kernels::packed_linear", _packed_linear_shape)
+    torch.library.register_fake("sglang_hf_backend_kernels::packed_silu_and_mul", _silu_and_mul_shape)
     return True
 
 
 def _packed_linear_shape(x, weight, handle, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _silu_and_mul_shape(x, weight, handle, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
 
 
 # ``_onednn_linear`` as one opaque node of a compiled graph (the token count is known only when it runs).
@@ -115,6 +123,20 @@ class PackedWeights:
                 x, layer.weight, layer.packed_handle, bias
             )
         return torch.ops.sglang_hf_backend.packed_linear(x, layer.weight, layer.packed_handle, bias)
+
+    @property
+    def computes_silu_and_mul(self) -> bool:
+        """Can ``silu_and_mul`` multiply a merged gate/up projection here (``fusers.gate_up``)?"""
+        return getattr(self, "kernels_built", False)
+
+    def silu_and_mul(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``silu(gate) * up`` of a merged [gate; up] layer's product, in one C++ op: prefills
+        never hold the [tokens, 2 x width] product (``csrc/packed_linear.cpp``)."""
+        return torch.ops.sglang_hf_backend_kernels.packed_silu_and_mul(
+            x, layer.weight, layer.packed_handle, bias
+        )
 
 
 class PackedLinearMethod(PackedWeights, UnquantizedLinearMethod):

@@ -43,6 +43,7 @@ GEMM_OPS = {
     "mkldnn::_linear_pointwise",  # prepacked linears (cpu_linear.py)
     "sglang_hf_backend_kernels::one_token_linear",  # their one-token fp32 product
     "sglang_hf_backend_kernels::packed_linear",  # their product (AMX kernel inline; nested oneDNN/aten ops)
+    "sglang_hf_backend_kernels::packed_silu_and_mul",  # a merged gate/up's, SiLU-and-multiply included
 }
 # With TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1 a compiled step's generated kernels are
 # recorded under names like ``graph_0_cpp_fused_add_mul_0``, or ``cpp_fused_add_mul_0`` inside

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod, UnquantizedLinearMethod
+from torch import nn
 
 from sglang_hf_backend import cpu_linear, platform
 
@@ -142,3 +143,44 @@ def test_few_tokens_take_the_amx_kernel_where_it_multiplies(monkeypatch):
         assert not cpu_linear.amx_kernel_multiplies(torch.bfloat16)
     finally:
         cpu_linear.amx_kernel_multiplies.cache_clear()
+
+
+def assert_close_to_rounding(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal up to the served type's rounding (a few units in the last place)."""
+    tolerance = 2**-6 if DTYPE == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+class MergedProjection(nn.Module):
+    """A merged [gate; up] projection as ``GatedActivation`` sees one (a packed SGLang linear)."""
+
+    def __init__(self, layer, method):
+        super().__init__()
+        self.weight, self.bias, self.quant_method = layer.weight, layer.bias, method
+        self.packed_handle, self.gather_output, self.skip_bias_add = layer.packed_handle, False, False
+
+    def forward(self, x):
+        return self.quant_method.apply(self, x, self.bias)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 32, 300])  # 300: a prefill, SiLU and product as oneDNN post-ops
+def test_silu_and_mul_of_a_merged_projection(tokens):
+    layer, method = packed_layer(out_features=128)
+    x = torch.randn(tokens, 64).to(DTYPE)
+    gate, up = F.linear(x, layer.weight, layer.bias).chunk(2, dim=-1)
+    assert_close_to_rounding(method.silu_and_mul(layer, x, layer.bias), F.silu(gate) * up)
+
+
+def test_gated_activation_takes_the_packed_silu_and_mul_and_otherwise_sglangs():
+    from sglang_hf_backend.surgery.fusers.gate_up import GatedActivation
+
+    layer, method = packed_layer(out_features=128)
+    projection = MergedProjection(layer, method)
+    x = torch.randn(3, 64).to(DTYPE)
+    gate, up = projection(x).chunk(2, dim=-1)
+    for activation, reference, in_one_op in (("silu", F.silu, True), ("gelu", F.gelu, False)):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            out = GatedActivation(activation)(projection, x)
+        names = {e.name for e in profile.events()}
+        assert ("sglang_hf_backend_kernels::packed_silu_and_mul" in names) == in_one_op
+        assert_close_to_rounding(out, reference(gate) * up)

@@ -3,7 +3,8 @@
 Matched on an MLP-shaped class: two up-projections (``nn.Linear``) read the same tensor
 and feed one down-projection. When the code multiplies ``act(self.gate(x)) * self.up(x)``
 and the activation is SiLU or GELU (checked numerically, not by name), the product
-becomes SGLang's ``SiluAndMul``/``GeluAndMul`` on one ``MergedColumnParallelLinear``;
+becomes SGLang's ``SiluAndMul``/``GeluAndMul`` on one ``MergedColumnParallelLinear``
+(``GatedActivation``, which lets a packed CPU linear compute SiLU with its product);
 otherwise the two projections are still merged and their outputs split apart.
 """
 
@@ -76,10 +77,8 @@ class GateUpFuser(Fuser[GateUpMatch]):
             activation, description = None, f"{gate} + {up} -> {FUSED} (MergedColumnParallelLinear)"
         else:
             node, gate, up, activation, argument = product
-            fused_call = ast.Call(func=source.self_attribute(FUSED), args=[argument], keywords=[])
-            replace_node(
-                source.function, node, ast.Call(source.self_attribute(ACT_AND_MUL), [fused_call], [])
-            )
+            gated = ast.Call(source.self_attribute(ACT_AND_MUL), [source.self_attribute(FUSED), argument], [])
+            replace_node(source.function, node, gated)
             label = ACTIVATIONS[activation][2]
             description = f"{gate} + {up} -> {FUSED} (MergedColumnParallelLinear) + {label}"
         return GateUpMatch(type(instance), description, source.compile(), gate, up, activation)
@@ -99,8 +98,28 @@ class GateUpFuser(Fuser[GateUpMatch]):
         )
         install_fused_layer(instance, (match.gate, match.up), FUSED, fused, match.forward)
         if match.activation is not None:
-            setattr(instance, ACT_AND_MUL, ACTIVATIONS[match.activation][1]())
+            setattr(instance, ACT_AND_MUL, GatedActivation(match.activation))
         return instance
+
+
+class GatedActivation(nn.Module):
+    """``act(gate) * up`` of a merged gate/up projection, given the projection and its input.
+
+    Where the projection's method computes SiLU-and-multiply with its product (packed CPU
+    linears, ``cpu_linear``) that is one op, and a prefill never holds the [tokens, 2 x width]
+    product; otherwise SGLang's act-and-mul on the projection's output.
+    """
+
+    def __init__(self, activation: str):
+        super().__init__()
+        self.silu = activation == "silu"
+        self.act_and_mul = ACTIVATIONS[activation][1]()
+
+    def forward(self, projection: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        method = getattr(projection, "quant_method", None)
+        if self.silu and getattr(method, "computes_silu_and_mul", False) and not projection.gather_output:
+            return method.silu_and_mul(projection, x, None if projection.skip_bias_add else projection.bias)
+        return self.act_and_mul(projection(x))
 
 
 def _act_times_up(source: ForwardSource, instance: nn.Module, ups: tuple[str, ...]):
