@@ -98,6 +98,8 @@ graph_ops.define(
 class PackedWeights:
     """What the packed methods share: packing after load, and the product."""
 
+    kernels_built = False  # set when the weights are packed
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         # Waits for the kernels' build now, not in the first request; a plain bool, which a
         # saved compiled step's guards can hold (the op itself could not be pickled).
@@ -127,7 +129,7 @@ class PackedWeights:
     @property
     def computes_silu_and_mul(self) -> bool:
         """Can ``silu_and_mul`` multiply a merged gate/up projection here (``fusers.gate_up``)?"""
-        return getattr(self, "kernels_built", False)
+        return self.kernels_built
 
     def silu_and_mul(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
