@@ -34,7 +34,6 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 32;      // tokens per call: two A tiles of 16 rows
 constexpr int64_t kColumns = 32;      // output columns per block: two 16-column tiles
 constexpr int64_t kDepth = 32;        // inner-dimension values per block and tile multiply
 constexpr int64_t kBlockValues = kDepth * kColumns;
@@ -127,7 +126,7 @@ void multiply(const at::BFloat16* x, int64_t rows, int64_t k, const at::BFloat16
               const float* bias, at::BFloat16* out) {
   const int first_rows = std::min<int64_t>(rows, 16), second_rows = rows - first_rows;
   at::parallel_for(0, n / kColumns, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float sums[kMaxRows * kColumns];
+    alignas(64) float sums[sglang_hf_backend::kAmxMaxRows * kColumns];
     configure_tiles(first_rows, second_rows);  // tile state is per thread
     for (int64_t column_block = begin; column_block < end; ++column_block) {
       const at::BFloat16* block = weight + column_block * kColumns * k;
@@ -169,7 +168,7 @@ at::Tensor amx_product(const at::Tensor& x, int64_t n, const void* packed, const
   TORCH_CHECK(n % kColumns == 0 && k % kDepth == 0, "amx_packed_linear: the weight's sizes must be multiples of 32");
   const auto input = x.reshape({-1, k}).contiguous();
   const int64_t rows = input.size(0);
-  TORCH_CHECK(rows <= kMaxRows, "amx_packed_linear: up to 32 tokens, got ", rows);
+  TORCH_CHECK(rows <= sglang_hf_backend::kAmxMaxRows, "amx_packed_linear: up to 32 tokens, got ", rows);
   const auto bias_values = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   TORCH_CHECK(!bias_values.defined() || bias_values.numel() == n, "amx_packed_linear: bias needs n values");
   auto sizes = x.sizes().vec();

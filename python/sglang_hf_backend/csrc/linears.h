@@ -7,8 +7,10 @@
 
 namespace sglang_hf_backend {
 
-// x [..., k] bf16 of up to 32 tokens times the [n, k] weight oneDNN packed at `packed` (in the
-// layout `amx_layout_matches` accepts); bias [n] or none.
+constexpr int64_t kAmxMaxRows = 32;  // tokens per AMX product: two tiles of 16 rows
+
+// x [..., k] bf16 of up to kAmxMaxRows tokens times the [n, k] weight oneDNN packed at `packed`
+// (in the layout `amx_layout_matches` accepts); bias [n] or none.
 at::Tensor amx_product(const at::Tensor& x, int64_t n, const void* packed, const c10::optional<at::Tensor>& bias);
 
 // x [..., in] holding one fp32 token times the plain fp32 weight [out, in]; bias [out] or none.

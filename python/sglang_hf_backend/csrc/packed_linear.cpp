@@ -26,8 +26,6 @@
 
 namespace {
 
-constexpr int64_t kAmxMaxRows = 32;  // amx_linear.cpp's two tiles of 16 tokens
-
 struct PackedWeight {
   at::Tensor packed;             // oneDNN's packed copy of the weight
   const void* data = nullptr;    // its address
@@ -86,7 +84,8 @@ at::Tensor product(const PackedWeight& entry, const at::Tensor& x, const at::Ten
   const int64_t rows = rows_of(x);
   const bool fp32 = x.scalar_type() == at::kFloat;
   if (!fp32 && rows > entry.plain_above) return at::linear(x, weight, bias);
-  if (entry.amx && rows <= kAmxMaxRows) return sglang_hf_backend::amx_product(x, weight.size(0), entry.data, bias);
+  if (entry.amx && rows <= sglang_hf_backend::kAmxMaxRows)
+    return sglang_hf_backend::amx_product(x, weight.size(0), entry.data, bias);
   if (fp32 && rows == 1) return sglang_hf_backend::one_token_linear(x, weight, bias);
   return onednn_product(x, entry.packed, bias);
 }
