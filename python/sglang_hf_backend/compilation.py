@@ -45,11 +45,30 @@ from sglang_hf_backend.surgery.fusers.rewrite import bind_forward
 TOKEN_DIMS = {"input_ids": -1, "position_ids": -1, "inputs_embeds": 1}
 RESTARTS = 3  # whole-graph traces dynamo may ask to start over before one must succeed
 MAX_LAYER_VARIANTS = 1024  # compiled decoder layers of one class, at most one per layer
-# Inductor's generated code checks every input's and custom op output's sizes and strides on
-# each call, ~10 checks a layer; the step's guards already check its inputs, and our ops' fake
-# implementations are tested against their outputs. Without them (0.5B Llama, batch 32, two runs
-# each way) the forward's Python/dispatch time went from 5.1-5.4 to 3.9-4.4 ms a step.
-INDUCTOR_OPTIONS = {"size_asserts": False}
+# Vector width, in bits, of inductor's C++ code for each of torch's CPU capabilities.
+VECTOR_BITS = {"AVX512": 512, "AVX2": 256}
+
+
+@functools.cache
+def inductor_options(capability: str | None = None) -> dict:
+    """What every compile of ours passes to inductor (on a CPU of torch's ``capability``, by
+    default this process's).
+
+    ``size_asserts`` off: inductor's generated code checks every input's and custom op output's
+    sizes and strides on each call, ~10 checks a layer; the step's guards already check its
+    inputs, and our ops' fake implementations are tested against their outputs. Without them
+    (0.5B Llama, batch 32, two runs each way) the forward's Python/dispatch time went from
+    5.1-5.4 to 3.9-4.4 ms a step.
+
+    ``cpp.simdlen`` set to the width inductor would pick anyway (from torch's CPU capability,
+    which ``ATEN_CPU_CAPABILITY`` can narrow): on CPU, inductor's on-disk graph cache is keyed by
+    neither, so a cache shared by an AVX512 and an AVX2-only machine (or kept across a change of
+    that variable) hands one the other's generated code, which assumes the other vector width
+    and returns wrong numbers (torch 2.14.1: ``relu(x) * 2 + 1`` compiled under AVX512, then
+    served under AVX2, or either way between AVX2 and AVX512). The setting is part of the key.
+    """
+    width = VECTOR_BITS.get(capability or torch.backends.cpu.get_cpu_capability())
+    return {"size_asserts": False, **({"cpp.simdlen": width} if width else {})}
 
 
 def wanted(device: str) -> bool:
@@ -153,7 +172,7 @@ def trace_whole(backbone: nn.Module, inputs: dict):
         backbone_hidden_states,
         dynamic=True,
         fullgraph=True,
-        options={"guard_filter_fn": SavedStep.guards_kept, **INDUCTOR_OPTIONS},
+        options={"guard_filter_fn": SavedStep.guards_kept, **inductor_options()},
     )
     for _ in range(RESTARTS):
         try:
@@ -196,7 +215,7 @@ class RecompilingStep:
     """torch.compile's ordinary path: graph breaks allowed, inputs its guards reject traced anew."""
 
     def __init__(self, how: str, shared_layers: bool = False):
-        self.compiled = torch.compile(backbone_hidden_states, dynamic=True, options=INDUCTOR_OPTIONS)
+        self.compiled = torch.compile(backbone_hidden_states, dynamic=True, options=inductor_options())
         self.how = how
         # Only layers marked as regions need constant floats, and patching dynamo's config
         # costs ~50 us a call, so steps that trace unmarked layers do without.

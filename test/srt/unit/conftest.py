@@ -24,3 +24,12 @@ def analysis(checkpoint):
         return cache[name, tp_size, task]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def narrower_capability() -> str:
+    """The next narrower CPU capability torch can dispatch to here (``ATEN_CPU_CAPABILITY``):
+    AVX2, the AVX2-only EPYC's, where this CPU has AVX512; else ATen's generic vectors."""
+    import torch
+
+    return "AVX2" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "DEFAULT"

@@ -9,6 +9,10 @@ a forward a fuser bound to the instance moves into that class. Unmarking restore
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import types
 
 import torch
@@ -95,3 +99,35 @@ def test_a_forward_bound_to_the_instances_moves_into_the_region_class():
     regions.unmark()
     assert all(type(layer) is LlamaDecoderLayer for layer in backbone.layers)
     torch.testing.assert_close(eager(backbone, **inputs), expected)
+
+
+# Compiles `relu(x) * 2 + 1` with the inductor options given as JSON and prints whether it
+# equals eager's (torch alone: importing SGLang would triple the test's time).
+COMPILE_AND_COMPARE = """
+import json, sys
+import torch
+
+def f(x):
+    return torch.relu(x) * 2 + 1
+
+x = torch.randn(37, 100)
+compiled = torch.compile(f, dynamic=True, options=json.loads(sys.argv[1]))
+print(torch.backends.cpu.get_cpu_capability(), torch.equal(compiled(x), f(x)))
+"""
+
+
+def test_inductors_cache_serves_each_vector_width_its_own_code(tmp_path, narrower_capability):
+    """One inductor cache used under this CPU's capability, then a narrower one, then this one
+    again (as by machines of both kinds sharing it): each gets code for its own vector width."""
+    native = torch.backends.cpu.get_cpu_capability()
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    for capability in (native, narrower_capability, native):
+        options = json.dumps(compilation.inductor_options(capability))
+        run = subprocess.run(
+            [sys.executable, "-c", COMPILE_AND_COMPARE, options],
+            env={**env, "ATEN_CPU_CAPABILITY": capability.lower()},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert run.stdout.split() == [capability, "True"], run.stderr[-2000:]
