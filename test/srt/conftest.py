@@ -17,6 +17,13 @@ from sglang_hf_backend.testing.tokenizer import train_tokenizer
 ENGINE_DIR = Path(__file__).parent / "engine"
 
 
+def pytest_report_header() -> str:
+    """Which kind of machine ran the tests (kernels and dtypes differ between them)."""
+    from sglang_hf_backend.benchmark.report import machine
+
+    return "machine: {cpu}, torch CPU capability {torch_cpu_capability}, {cores} cores".format(**machine())
+
+
 def pytest_collection_modifyitems(items) -> None:
     for item in items:
         if ENGINE_DIR in Path(item.fspath).parents:

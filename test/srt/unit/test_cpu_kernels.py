@@ -4,6 +4,11 @@ on oneDNN's packed weights."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -264,3 +269,27 @@ def test_step_attention_node_hands_everything_else_to_the_python_op(kernels, mon
         kernels.end_decode_step()
     assert calls == [("layer 7", "batch"), ("layer 8", "batch"), ("layer 7", "batch")]
     assert not k_buffer[torch.tensor([2, 7])].equal(key[0].transpose(0, 1))  # nothing written by the node
+
+
+# The kernel and linear tests that run again in `test_kernels_built_for_a_narrower_vector_unit`.
+KERNEL_TESTS = ["test_cpu_kernels.py", "test_cpu_linear.py", "test_cpu_attention.py"]
+
+
+def test_kernels_built_for_a_narrower_vector_unit(tmp_path, narrower_capability):
+    """The kernels' other code paths: built and tested again for the next narrower unit torch
+    dispatches to, so a change tested on one kind of machine is checked for the other."""
+    here = Path(__file__).parent
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-k", "not narrower_vector_unit"]
+        + [str(here / name) for name in KERNEL_TESTS],
+        # A cache of its own: the linear tests' compiles do not pass our inductor options.
+        env={
+            **os.environ,
+            "ATEN_CPU_CAPABILITY": narrower_capability.lower(),
+            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path),
+        },
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert f"capability {narrower_capability}" in run.stdout
