@@ -49,9 +49,7 @@ def _all(multiply, weights, packed, inputs) -> None:
         multiply(inputs[weight.shape[1]], weight, packed_weight)
 
 
-def bench_shape(
-    name: str, tokens: int, rounds: int, dtype: torch.dtype, with_kernels: bool, with_amx: bool
-) -> None:
+def bench_shape(name: str, tokens: int, rounds: int, dtype: torch.dtype, with_kernels: bool) -> None:
     weights = layer_weights(name, dtype)
     packed = [torch.ops.mkldnn._reorder_linear_weight(weight, 32) for weight in weights]
     inputs = {size: torch.randn(tokens, size).to(dtype) for size in {w.shape[1] for w in weights}}
@@ -59,7 +57,7 @@ def bench_shape(
         "torch": lambda x, w, p: F.linear(x, w),
         "onednn-packed": lambda x, w, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
     }
-    if with_amx and dtype == torch.bfloat16 and tokens <= 32:
+    if with_kernels and torch.cpu._is_amx_tile_supported() and dtype == torch.bfloat16 and tokens <= 32:
         kernel = torch.ops.sglang_hf_backend_kernels.amx_packed_linear
         impls["amx-kernel"] = lambda x, w, p: kernel(x, w, p, None)
     if with_kernels and dtype == torch.float32 and tokens == 1:
@@ -104,7 +102,7 @@ def main() -> None:
     )
     for name in args.shapes.split(","):
         for tokens in (int(count) for count in args.tokens.split(",")):
-            bench_shape(name, tokens, args.rounds, dtype, why_not is None, with_amx)
+            bench_shape(name, tokens, args.rounds, dtype, why_not is None)
 
 
 if __name__ == "__main__":

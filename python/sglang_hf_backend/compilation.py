@@ -49,7 +49,6 @@ MAX_LAYER_VARIANTS = 1024  # compiled decoder layers of one class, at most one p
 VECTOR_BITS = {"AVX512": 512, "AVX2": 256}
 
 
-@functools.cache
 def inductor_options(capability: str | None = None) -> dict:
     """What every compile of ours passes to inductor (on a CPU of torch's ``capability``, by
     default this process's).
